@@ -1,0 +1,14 @@
+"""hyper_parallel: run Hugging Face transformers models distributed by laying out DTensors."""
+from .dispatch import MissingOpError, record_missing_ops, register_ops
+from .dispatch.registry import load_builtin_rules as _load_builtin_rules
+from .dtensor import DTensor, distribute_tensor
+from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, init_device_mesh
+from .redistribute import comm_counter
+
+_load_builtin_rules()
+
+__all__ = [
+    "DTensor", "Layout", "DeviceMesh", "init_device_mesh", "Shard", "Replicate", "Partial", "Placement",
+    "distribute_tensor", "comm_counter", "MissingOpError", "record_missing_ops", "register_ops",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,339 @@
+"""The one dispatch path: every torch call that touches a DTensor comes through `torch_function`.
+
+Hot path (cache hit): a flat scan of the arguments, a tuple key, one dict lookup, local redistributions,
+the local op, and wrapping. When every input is replicated on one mesh no decision is needed at all:
+the op runs on the local tensors and its outputs are replicated.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..dtensor.autograd import InplaceWrap, Unwrap, Wrap
+from ..dtensor.dtensor import DTensor, make_dtensor
+from ..layout.layout import Layout, replicate_layout
+from ..redistribute.planner import redistribute_local
+from . import registry
+from .call import OpCall, Strategy, TensorSpec
+
+_DisableTF = torch._C.DisableTorchFunctionSubclass
+_is_grad_enabled = torch.is_grad_enabled
+_UNSET = object()
+_RULE_OF: dict = {}    # func -> (name, rule or None, inplace)
+_CACHE: dict = {}      # call key -> Decision
+STATS = {"hits": 0, "misses": 0, "replicated": 0}
+
+# Metadata of the wrapper itself: answered from the wrapper, never from the shard.
+_PASSTHROUGH = {
+    Tensor.size, Tensor.dim, Tensor.numel, Tensor.nelement, Tensor.__len__, Tensor.stride,
+    Tensor.requires_grad_, Tensor.retain_grad, Tensor.register_hook, Tensor.backward,
+    Tensor.register_post_accumulate_grad_hook, Tensor.element_size, Tensor.is_floating_point,
+    Tensor.is_complex, Tensor.is_signed, Tensor.get_device, Tensor.is_contiguous, Tensor.__hash__,
+    Tensor.dim_order, Tensor.__format__, Tensor.is_inference, Tensor._is_view, Tensor.__dir__,
+    Tensor.__reduce_ex__, Tensor.storage_offset, Tensor.is_shared,
+}
+for _prop in ("shape", "dtype", "device", "layout", "requires_grad", "grad", "grad_fn", "is_leaf", "ndim",
+              "_grad", "_grad_fn", "_base", "_version", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+              "is_nested", "output_nr", "_backward_hooks", "_post_accumulate_grad_hooks", "names", "is_mkldnn",
+              "is_xpu", "is_mps", "itemsize", "nbytes", "_cdata", "name", "__class__", "__dict__",
+              "_post_accumulate_grad_hooks", "_is_param", "__weakref__", "_python_dispatch", "is_sparse_csr",
+              "__cuda_array_interface__", "retains_grad", "data"):
+    _d = getattr(Tensor, _prop, None)
+    for _acc in ("__get__", "__set__", "__delete__"):
+        if _d is not None and hasattr(_d, _acc):
+            _PASSTHROUGH.add(getattr(_d, _acc))
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+
+
+def clear_caches() -> None:
+    _RULE_OF.clear()
+    _CACHE.clear()
+
+
+def _resolve(func):
+    name = registry.op_name(func)
+    short = name.rsplit(".", 1)[-1]
+    inplace = short in _INPLACE_DUNDERS or (short.endswith("_") and not short.endswith("__")
+                                            and name.startswith("torch.Tensor."))
+    entry = (name, registry.RULES.get(name), inplace)
+    _RULE_OF[func] = entry
+    return entry
+
+
+# ---- argument scanning -----------------------------------------------------------------------
+def _collect(values, out: list) -> None:
+    for a in values:
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, Tensor):
+                    out.append(b)
+                elif type(b) is list or type(b) is tuple:
+                    _collect(b, out)
+
+
+def _swap(obj, it):
+    if isinstance(obj, Tensor):
+        return next(it)
+    t = type(obj)
+    if t is tuple or t is list:
+        return t(_swap(b, it) for b in obj)
+    return obj
+
+
+def _swap_args(args, kwargs, new):
+    it = iter(new)
+    args = tuple(_swap(a, it) for a in args)
+    if kwargs:
+        kwargs = {k: _swap(v, it) for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _argkey(a, floats: bool):
+    t = type(a)
+    if t is DTensor:
+        return (a._layout, a._shape, a.dtype)
+    if isinstance(a, Tensor):
+        return (a.shape, a.dtype)
+    if t is tuple or t is list:
+        return tuple([_argkey(b, floats) for b in a])
+    if t is float and not floats:
+        return float
+    if t is slice:
+        return (slice, a.start, a.stop, a.step)
+    return a
+
+
+def _key(func, args, kwargs, floats):
+    try:
+        key = (func, tuple([_argkey(a, floats) for a in args]),
+               tuple([(k, _argkey(v, floats)) for k, v in kwargs.items()]) if kwargs else None)
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+# ---- the decision for one call ---------------------------------------------------------------
+class Decision:
+    __slots__ = ("in_layouts", "grad_layouts", "out_layouts", "out_shapes", "local_fn", "moves")
+
+    def __init__(self, in_layouts, grad_layouts, out_layouts, out_shapes, local_fn):
+        self.in_layouts = in_layouts
+        self.grad_layouts = grad_layouts
+        self.out_layouts = out_layouts
+        self.out_shapes = out_shapes
+        self.local_fn = local_fn
+
+
+def _meta(a):
+    if isinstance(a, Tensor):
+        shape = a._shape if type(a) is DTensor else a.shape
+        return torch.empty(shape, dtype=a.dtype, device="meta")
+    t = type(a)
+    if t is tuple or t is list:
+        return t(_meta(b) for b in a)
+    return a
+
+
+def _out_shapes(func, args, kwargs):
+    """Global output shapes, by running the op on meta tensors; None if the op cannot run on meta."""
+    try:
+        with torch.no_grad():
+            out = func(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()})
+    except Exception:  # data-dependent ops and ops without meta kernels: the rule must know
+        return None
+    found = []
+    _collect([out], found)
+    return [tuple(t.shape) for t in found]
+
+
+def _decide(func, name, rule, inplace, args, kwargs, leaves, mesh) -> Decision:
+    specs = [TensorSpec(t._layout, t._shape, t.dtype, True) if type(t) is DTensor
+             else TensorSpec(replicate_layout(mesh, t.ndim), tuple(t.shape), t.dtype, False) for t in leaves]
+    out_shapes = _out_shapes(func, args, kwargs)
+    call = OpCall(func, name, args, kwargs, specs, mesh, out_shapes, inplace)
+    strat: Strategy = rule.strategy(call)
+    ins = strat.in_layouts
+    if len(ins) != len(specs):
+        raise RuntimeError(f"rule {type(rule).__name__} for {name} gave {len(ins)} input layouts for {len(specs)} inputs")
+    outs = strat.out_layouts
+    n_out = len(out_shapes) if out_shapes is not None else (len(outs) if isinstance(outs, (list, tuple)) else 1)
+    if isinstance(outs, Layout) or outs is None:
+        outs = [outs] * n_out
+    grads = strat.grad_layouts or _grad_layouts(ins, outs)
+    return Decision(ins, grads, list(outs), out_shapes, strat.local_fn)
+
+
+def _grad_layouts(ins, outs):
+    """Layouts of the local gradients of each input (the duality in dtensor/autograd.py)."""
+    split = set()
+    for lay in list(ins) + [o for o in outs if o is not None]:
+        split.update(lay.sharded_axes)
+        split.update(a for a, p in enumerate(lay.partial) if p is not None)
+    out = []
+    for lay in ins:
+        partial = tuple("sum" if (a in split and lay.axis_dim[a] < 0 and p is None) else None
+                        for a, p in enumerate(lay.partial))
+        out.append(lay.with_map(lay.tensor_map, partial))
+    return out
+
+
+# ---- running ---------------------------------------------------------------------------------
+def _wrap_out(out, layouts, shapes, grad, it):
+    if isinstance(out, Tensor):
+        i = next(it)
+        layout = layouts[i]
+        if shapes is not None:
+            shape = shapes[i]
+        else:  # no meta kernel: even splits assumed, which rules for such ops guarantee
+            shape = tuple(n * layout.shard_count(d) for d, n in enumerate(out.shape))
+        if grad and out.requires_grad:
+            return Wrap.apply(out, layout, shape)
+        return make_dtensor(out, layout, shape)
+    t = type(out)
+    if t is tuple or t is list:
+        return t(_wrap_out(o, layouts, shapes, grad, it) for o in out)
+    if isinstance(out, tuple) and hasattr(out, "n_fields"):  # torch.return_types.*
+        return t([_wrap_out(o, layouts, shapes, grad, it) for o in out])
+    return out
+
+
+def _wrap_replicated(out, mesh, grad):
+    if isinstance(out, Tensor):
+        if type(out) is DTensor:
+            return out
+        layout = replicate_layout(mesh, out.ndim)
+        if grad and out.requires_grad:
+            return Wrap.apply(out, layout, tuple(out.shape))
+        return make_dtensor(out, layout, tuple(out.shape))
+    t = type(out)
+    if t is tuple or t is list:
+        return t(_wrap_replicated(o, mesh, grad) for o in out)
+    if isinstance(out, tuple) and hasattr(out, "n_fields"):
+        return t([_wrap_replicated(o, mesh, grad) for o in out])
+    return out
+
+
+def _finish_inplace(target, local_out, grad):
+    if grad and (target.requires_grad or local_out.requires_grad):
+        return InplaceWrap.apply(target, local_out)
+    if local_out is not target._local and isinstance(local_out, Tensor):
+        target._local = local_out
+    return target
+
+
+def torch_function(cls, func, types, args=(), kwargs=None):
+    if func in _PASSTHROUGH:
+        with _DisableTF():
+            return func(*args, **(kwargs or {}))
+    with _DisableTF():
+        return _dispatch(func, args, kwargs or {})
+
+
+def _dispatch(func, args, kwargs):
+    entry = _RULE_OF.get(func)
+    if entry is None:
+        entry = _resolve(func)
+    name, rule, inplace = entry
+    leaves = []
+    _collect(args, leaves)
+    if kwargs:
+        _collect(kwargs.values(), leaves)
+    mesh = None
+    replicated = True
+    for t in leaves:
+        if type(t) is DTensor:
+            lay = t._layout
+            if mesh is None:
+                mesh = lay.mesh
+            elif lay.mesh is not mesh:
+                raise ValueError(f"{name}: inputs live on different meshes ({mesh} and {lay.mesh}); "
+                                 f"redistribute them onto one mesh first")
+            if not lay.is_replicate:
+                replicated = False
+    if registry._RECORDERS:
+        registry.note_op(name, missing=rule is None)
+    if rule is None:
+        return _missing(func, name, inplace, args, kwargs, leaves, mesh)
+    if mesh is None:  # only reachable through odd paths (e.g. a DTensor nested deeper than we scan)
+        raise RuntimeError(f"{name}: no DTensor found among the arguments that reached hyper_parallel")
+    grad = _is_grad_enabled() and any(t.requires_grad for t in leaves)
+
+    if replicated and rule.replicated_local:
+        STATS["replicated"] += 1
+        if grad:
+            locs = [Unwrap.apply(t, t._layout, t._layout, t.grad_fn is None) if type(t) is DTensor and t.requires_grad
+                    else (t._local if type(t) is DTensor else t) for t in leaves]
+        else:
+            locs = [t._local if type(t) is DTensor else t for t in leaves]
+        largs, lkwargs = _swap_args(args, kwargs, locs)
+        out = func(*largs, **lkwargs)
+        if inplace:
+            return _finish_inplace(args[0], out if isinstance(out, Tensor) else locs[0], grad) \
+                if type(args[0]) is DTensor else out
+        return _wrap_replicated(out, mesh, grad)
+
+    key = _key(func, args, kwargs, rule.float_args_matter)
+    dec = _CACHE.get(key) if key is not None else None
+    if dec is None:
+        STATS["misses"] += 1
+        dec = _decide(func, name, rule, inplace, args, kwargs, leaves, mesh)
+        if key is not None:
+            _CACHE[key] = dec
+    else:
+        STATS["hits"] += 1
+    locs = []
+    for t, target, glay in zip(leaves, dec.in_layouts, dec.grad_layouts):
+        if type(t) is DTensor:
+            if grad and t.requires_grad:
+                locs.append(Unwrap.apply(t, target, glay, t.grad_fn is None))
+            elif target is t._layout:
+                locs.append(t._local)
+            else:
+                locs.append(redistribute_local(t._local, t._layout, target, t._shape))
+        elif target.is_replicate:
+            locs.append(t)
+        else:
+            locs.append(redistribute_local(t, replicate_layout(mesh, t.ndim), target, tuple(t.shape)))
+    largs, lkwargs = _swap_args(args, kwargs, locs)
+    out = (dec.local_fn or func)(*largs, **lkwargs)
+    if inplace and type(args[0]) is DTensor:
+        target = args[0]
+        if dec.in_layouts[0] is not target._layout:
+            raise RuntimeError(f"{name} is in-place but its rule moved the tensor from {target._layout} to "
+                               f"{dec.in_layouts[0]}; an in-place op must keep its layout")
+        return _finish_inplace(target, out if isinstance(out, Tensor) else locs[0], grad)
+    return _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
+
+
+def _missing(func, name, inplace, args, kwargs, leaves, mesh):
+    """No rule: raise, or (inside record_missing_ops) record the op and run it on full values."""
+    if not registry.recording():
+        specs = ", ".join(f"{t._layout.alias_entries()}{' partial' if t._layout.has_partial else ''}"
+                          if type(t) is DTensor else f"plain {tuple(t.shape)}" for t in leaves)
+        raise registry.missing_op_error(name, specs)
+    grad = _is_grad_enabled() and any(t.requires_grad for t in leaves)
+    locs = []
+    for t in leaves:
+        if type(t) is not DTensor:
+            locs.append(t)
+        elif t._layout.is_replicate:
+            locs.append(Unwrap.apply(t, t._layout, t._layout, t.grad_fn is None) if grad and t.requires_grad else t._local)
+        else:
+            full = t._layout.replicated()
+            locs.append(Unwrap.apply(t, full, full, t.grad_fn is None) if grad and t.requires_grad
+                        else redistribute_local(t._local, t._layout, full, t._shape))
+    largs, lkwargs = _swap_args(args, kwargs, locs)
+    out = func(*largs, **lkwargs)
+    if mesh is None:
+        return out
+    if inplace and type(args[0]) is DTensor:
+        target = args[0]
+        new = out if isinstance(out, Tensor) else locs[0]
+        if not target._layout.is_replicate:
+            new = redistribute_local(new, target._layout.replicated(), target._layout, target._shape)
+        return _finish_inplace(target, new, grad)
+    return _wrap_replicated(out, mesh, grad)

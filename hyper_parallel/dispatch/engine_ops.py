@@ -1,0 +1,76 @@
+"""The few aten ops that reach DTensor below __torch_function__: the autograd engine's own calls.
+
+Seen in training: gradient accumulation (add), nn.Parameter (detach/alias), the backward seed
+(ones_like), optimizers' state (zeros_like/empty_like), grad clones. Anything else is a path the
+dispatcher missed, and it fails loudly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dtensor.dtensor import DTensor, make_dtensor
+from ..layout.layout import replicate_layout
+from ..redistribute.planner import redistribute_local
+
+aten = torch.ops.aten
+
+
+def _as_layout(x, layout, shape):
+    if type(x) is DTensor:
+        return x._local if x._layout is layout else redistribute_local(x._local, x._layout, layout, x._shape)
+    if isinstance(x, torch.Tensor):
+        return redistribute_local(x, replicate_layout(layout.mesh, x.ndim), layout, tuple(x.shape))
+    return x
+
+
+def _same_layout(func, args, kwargs):
+    """Elementwise on the first DTensor's layout: other tensor args are moved to it."""
+    first = next(a for a in args if type(a) is DTensor)
+    layout, shape = first._layout, first._shape
+    local_args = [_as_layout(a, layout, shape) for a in args]
+    out = func(*local_args, **kwargs)
+    if func is aten.add_.Tensor:
+        return args[0]
+    return make_dtensor(out, layout, shape)
+
+
+def _alias(func, args, kwargs):
+    x = args[0]
+    return make_dtensor(func(x._local), x._layout, x._shape)
+
+
+def _like(func, args, kwargs):
+    x = args[0]
+    layout = x._layout.without_partial()
+    return make_dtensor(func(x._local, **kwargs), layout, x._shape)
+
+
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    dst._local.copy_(_as_layout(src, dst._layout, dst._shape))
+    return dst
+
+
+_HANDLERS = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.ones_like.default: _like,
+    aten.zeros_like.default: _like,
+    aten.empty_like.default: _like,
+    aten.clone.default: _like,
+    aten.add.Tensor: _same_layout,
+    aten.add_.Tensor: _same_layout,
+    aten.mul.Tensor: _same_layout,
+    aten.div.Tensor: _same_layout,
+    aten.copy_.default: _copy,
+}
+
+
+def engine_dispatch(func, args, kwargs):
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        raise RuntimeError(
+            f"hyper_parallel: aten op {func} reached DTensor below __torch_function__ (args: "
+            f"{[type(a).__name__ for a in args]}). This path bypassed the dispatcher; please report it with "
+            f"the code that called it.")
+    return handler(func, args, kwargs)

@@ -1,0 +1,155 @@
+"""DTensor: a wrapper tensor with the global shape as real metadata, holding this rank's shard."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from ..layout.layout import Layout, PlacementLayout, replicate_layout
+from ..layout.mesh import DeviceMesh
+from ..redistribute.planner import redistribute_local
+from .autograd import Unwrap, Wrap
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+class DTensor(torch.Tensor):
+    """A global tensor laid out over a device mesh; every op sees single-device values and shapes."""
+
+    _local: torch.Tensor
+    _layout: Layout
+    _shape: tuple
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: Layout, shape=None, requires_grad: bool = False):
+        shape = tuple(local.shape) if shape is None else tuple(shape)
+        return make_dtensor(local, layout, shape, requires_grad)
+
+    __torch_function__ = None  # set by hyper_parallel.dispatch (one dispatch path for every op)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from ..dispatch.engine_ops import engine_dispatch
+        return engine_dispatch(func, args, kwargs or {})
+
+    # ---- construction --------------------------------------------------------------------
+    @staticmethod
+    def from_local(local: torch.Tensor, layout, placements=None, *, shape=None, run_check: bool = False) -> "DTensor":
+        """Wrap this rank's shard; the global shape is the shard's times the split counts unless `shape` is given."""
+        if isinstance(local, DTensor):
+            raise TypeError("DTensor.from_local takes a plain torch.Tensor, got a DTensor: use .redistribute()")
+        layout = resolve_layout(layout, placements, local.ndim)
+        if shape is None:
+            shape = tuple(n * layout.shard_count(d) for d, n in enumerate(local.shape))
+        else:
+            shape = tuple(shape)
+            expect = layout.local_shape(shape)
+            if expect != tuple(local.shape):
+                raise ValueError(f"local shard of shape {tuple(local.shape)} does not match global shape {shape} "
+                                 f"under {layout} (expected {expect} on this rank)")
+        if run_check and layout.mesh.distributed:
+            _check_replicas(local, layout)
+        if torch.is_grad_enabled() and local.requires_grad:
+            return Wrap.apply(local, layout, shape)
+        return make_dtensor(local, layout, shape)
+
+    def to_local(self) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            if torch.is_grad_enabled() and self.requires_grad:
+                return Unwrap.apply(self, self._layout, self._layout.without_partial(), self.grad_fn is None)
+        return self._local
+
+    def redistribute(self, layout, placements=None) -> "DTensor":
+        target = resolve_layout(layout, placements, self.ndim)
+        if target.mesh is not self._layout.mesh:
+            raise ValueError(f"redistribute keeps the mesh: {self._layout.mesh} vs {target.mesh}")
+        with torch._C.DisableTorchFunctionSubclass():
+            if torch.is_grad_enabled() and self.requires_grad:
+                local = Unwrap.apply(self, target, target.without_partial(), self.grad_fn is None)
+                return Wrap.apply(local, target, self._shape)
+        return make_dtensor(redistribute_local(self._local, self._layout, target, self._shape), target, self._shape)
+
+    def full_tensor(self) -> torch.Tensor:
+        return self.redistribute(self._layout.replicated()).to_local()
+
+    # ---- metadata ------------------------------------------------------------------------
+    @property
+    def dist_layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._layout.mesh
+
+    @property
+    def placements(self) -> tuple:
+        return self._layout.placements
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return self._local.shape
+
+    def __repr__(self):
+        return (f"DTensor(shape={tuple(self._shape)}, dtype={self._local.dtype}, layout={self._layout}, "
+                f"local={self._local!r})")
+
+    def __deepcopy__(self, memo):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = make_dtensor(copy.deepcopy(self._local, memo), self._layout, self._shape, self.requires_grad)
+            if getattr(self, "_is_param", False):
+                out._is_param = True
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a DTensor holds process groups and cannot be pickled: save .to_local() with its layout, "
+                        "or use hyper_parallel checkpointing")
+
+
+def make_dtensor(local: torch.Tensor, layout: Layout, shape: tuple, requires_grad: bool = False) -> DTensor:
+    out = _make_wrapper(DTensor, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
+    out._local = local
+    out._layout = layout
+    out._shape = shape
+    return out
+
+
+def resolve_layout(layout, placements, ndim: int) -> Layout:
+    """Accept `layout`, `layout` built from placements, or `(mesh, placements)`; check it fits `ndim` dims."""
+    if isinstance(layout, DeviceMesh):
+        if placements is None:
+            raise ValueError("pass placements with a DeviceMesh, e.g. (mesh, [Shard(0), Replicate()])")
+        return Layout.from_placements(layout, placements, ndim)
+    if isinstance(layout, (Layout, PlacementLayout)):
+        if placements is not None:
+            raise ValueError("pass either a Layout or (mesh, placements), not both")
+        return layout.for_ndim(ndim)
+    raise TypeError(f"expected a Layout or a DeviceMesh, got {type(layout).__name__}")
+
+
+def _check_replicas(local: torch.Tensor, layout: Layout) -> None:
+    for a in range(layout.mesh.ndim):
+        if layout.placements[a].is_replicate() and layout.mesh.shape[a] > 1:
+            ref = local.detach().clone()
+            dist.broadcast(ref, dist.get_global_rank(layout.mesh.get_group(a), 0), group=layout.mesh.get_group(a))
+            if not torch.equal(ref, local.detach()):
+                raise ValueError(f"from_local(run_check=True): ranks along replicated axis "
+                                 f"{layout.mesh.mesh_dim_names[a]!r} hold different values")
+
+
+def distribute_tensor(tensor: torch.Tensor, layout, placements=None, *, src_data_rank: int | None = 0) -> DTensor:
+    """Shard a full tensor. With `src_data_rank`, that rank's copy is broadcast first (as torch does)."""
+    target = resolve_layout(layout, placements, tensor.ndim)
+    shape = tuple(tensor.shape)
+    full = tensor.detach()
+    mesh = target.mesh
+    if src_data_rank is not None and mesh.distributed and len(mesh.ranks) == dist.get_world_size() and mesh.size() > 1:
+        from ..redistribute.collectives import broadcast
+        full = broadcast(full.clone(), src_data_rank)
+    local = redistribute_local(full, replicate_layout(mesh, tensor.ndim), target.without_partial(), shape)
+    if target.has_partial:
+        local = redistribute_local(local, target.without_partial(), target, shape)
+    local = local.clone(memory_format=torch.contiguous_format)  # own memory: the full tensor can be freed
+    return make_dtensor(local, target, shape, tensor.requires_grad)
+

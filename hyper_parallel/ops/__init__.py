@@ -1,0 +1,1 @@
+"""Op rules grouped by family; hyper_parallel/ops/yaml/*.yaml maps op names to them."""

@@ -1,0 +1,98 @@
+"""Collectives on local tensors over one mesh axis, built on torch.distributed, with accounting."""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+_COUNTERS: list = []
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class CommCounts:
+    """Collectives seen inside `comm_counter()`: calls and bytes this rank passed in, per kind."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __repr__(self):
+        return f"CommCounts(counts={dict(self.counts)}, bytes={dict(self.bytes)})"
+
+
+@contextlib.contextmanager
+def comm_counter():
+    counts = CommCounts()
+    _COUNTERS.append(counts)
+    try:
+        yield counts
+    finally:
+        _COUNTERS.remove(counts)
+
+
+def _record(kind: str, tensor: torch.Tensor) -> None:
+    if _COUNTERS:
+        nbytes = tensor.numel() * tensor.element_size()
+        for c in _COUNTERS:
+            c.counts[kind] += 1
+            c.bytes[kind] += nbytes
+
+
+def all_reduce(t: torch.Tensor, op: str, group, parts: int) -> torch.Tensor:
+    out = t.contiguous().clone()
+    _record("all_reduce", out)
+    dist.all_reduce(out, _OPS[op], group=group)
+    if op == "avg":
+        out /= parts
+    return out
+
+
+def all_gather(t: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
+    """Concatenate every rank's piece along `dim`; `sizes` are the pieces' lengths (uneven allowed)."""
+    parts = len(sizes)
+    top = max(sizes)
+    src = t.movedim(dim, 0) if dim else t
+    if src.shape[0] != top:
+        pad = src.new_zeros((top - src.shape[0],) + tuple(src.shape[1:]))
+        src = torch.cat([src, pad])
+    src = src.contiguous()
+    out = src.new_empty((parts * top,) + tuple(src.shape[1:]))
+    _record("all_gather", src)
+    dist.all_gather_single(out, src, group=group)
+    if any(s != top for s in sizes):
+        out = torch.cat([c[:s] for c, s in zip(out.chunk(parts), sizes)])
+    return out.movedim(0, dim) if dim else out
+
+
+def reduce_scatter(t: torch.Tensor, dim: int, op: str, group, sizes: list[int], index: int) -> torch.Tensor:
+    """Reduce over the axis and keep piece `index` of `dim` (uneven pieces fall back to all_reduce)."""
+    parts = len(sizes)
+    if any(s != sizes[0] for s in sizes):
+        full = all_reduce(t, op, group, parts)
+        return full.narrow(dim, sum(sizes[:index]), sizes[index])
+    src = (t.movedim(dim, 0) if dim else t).contiguous()
+    out = src.new_empty((sizes[0],) + tuple(src.shape[1:]))
+    _record("reduce_scatter", src)
+    dist.reduce_scatter_single(out, src, _OPS[op], group=group)
+    if op == "avg":
+        out /= parts
+    return out.movedim(0, dim) if dim else out
+
+
+def all_to_all(t: torch.Tensor, gather_dim: int, scatter_dim: int, group, parts: int) -> torch.Tensor:
+    """Even split of `scatter_dim` sent out, pieces of `gather_dim` received: S(gather) -> S(scatter)."""
+    chunks = [c.contiguous() for c in t.chunk(parts, scatter_dim)]
+    src = torch.stack(chunks)
+    out = torch.empty_like(src)
+    _record("all_to_all", src)
+    dist.all_to_all_single(out, src, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
+    t = t.contiguous()
+    _record("broadcast", t)
+    dist.broadcast(t, src_rank, group=group)
+    return t

@@ -1,0 +1,24 @@
+import torch
+
+import hyper_parallel as hp
+
+
+def _linear_colwise(rank, world):
+    L = hp.Layout((world,), ("tp",))
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    w = torch.randn(6, 8)
+    dx = hp.distribute_tensor(x, L("None", "None"))
+    dw = hp.distribute_tensor(w, L("tp", "None"))
+    y = dx * 2 + dx
+    assert torch.allclose(y.full_tensor(), x * 3)
+    dxs = hp.distribute_tensor(x, L("tp", "None"))
+    z = (dxs + dx).exp()
+    assert z.dist_layout == L("tp", "None"), z.dist_layout
+    assert torch.allclose(z.full_tensor(), (x + x).exp())
+    assert dw.to_local().shape == (6 // world, 8)
+    return True
+
+
+def test_smoke(dist2):
+    assert dist2.run(_linear_colwise) == [True, True]
