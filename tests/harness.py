@@ -72,7 +72,8 @@ class Pool:
         import queue
         for _ in range(self.world):
             try:
-                rank, ok, value = self.outbox.get(timeout=timeout)
+                # once a rank failed, its peers may wait in a collective forever: give them a short grace
+                rank, ok, value = self.outbox.get(timeout=timeout if not failures else 20)
             except queue.Empty:
                 self.close(force=True)
                 self._start()

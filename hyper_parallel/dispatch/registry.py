@@ -73,6 +73,14 @@ def load_yaml(path: str | os.PathLike) -> list[str]:
     return loaded
 
 
+def unregister(name: str) -> None:
+    """Forget one op's rule (tests, or replacing a built-in rule with register_ops)."""
+    RULES.pop(name, None)
+    _SOURCES.pop(name, None)
+    from .dispatcher import clear_caches
+    clear_caches()
+
+
 def register_ops(path: str | os.PathLike) -> list[str]:
     """Load extra rule files: a YAML file, or every *.yaml in a folder (rule classes may live beside them)."""
     path = Path(path)
@@ -138,7 +146,7 @@ def caller_location() -> str:
     torch_dir = str(Path(torch.__file__).resolve().parent)
     for frame in reversed(traceback.extract_stack()[:-2]):
         f = frame.filename
-        if not f.startswith(here) and not f.startswith(torch_dir) and "contextlib" not in f:
+        if not f.startswith(here) and not f.startswith(torch_dir) and "contextlib" not in f and not f.startswith("<"):
             return f"{f}:{frame.lineno} ({frame.name})"
     return "?"
 

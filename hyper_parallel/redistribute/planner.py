@@ -27,6 +27,14 @@ def _local_len(layout_map, mesh, shape, dim):
     return size
 
 
+def _even(axes, mesh, length) -> bool:
+    """Every piece equal at every level, on every rank (plans must agree across ranks)."""
+    total = 1
+    for a in axes:
+        total *= mesh.shape[a]
+    return length % total == 0
+
+
 def plan(src: Layout, dst: Layout, shape: tuple) -> list:
     key = (src, dst, shape)
     steps = _PLANS.get(key)
@@ -80,7 +88,7 @@ def _plan(src: Layout, dst: Layout, shape: tuple) -> list:
             n = mesh.shape[a]
             parent_len = _local_len([x[:-1] if i == d else x for i, x in enumerate(cur)], mesh, shape, d)
             e = can_append(a)
-            if e >= 0 and e != d and parent_len % n == 0 and _local_len(cur, mesh, shape, e) % n == 0:
+            if e >= 0 and e != d and _even(cur[d], mesh, shape[d]) and _even(cur[e] + [a], mesh, shape[e]):
                 steps.append(("all_to_all", a, d, e, n))
                 cur[d].pop()
                 cur[e].append(a)
