@@ -71,8 +71,8 @@ class SignatureRule(Rule):
         for axis in range(mesh.ndim):
             parts = mesh.shape[axis]
             current = [spec.layout.placements[axis] for spec in call.inputs]
-            if parts == 1:
-                chosen.append(Signature([REPLICATE] * n_out, [_keep(p) for p in current]))
+            if parts == 1:  # nothing is split over a size-1 axis: inputs stay as they are
+                chosen.append(Signature([REPLICATE] * n_out, current))
                 continue
             candidates = sigs
             if call.inplace:
@@ -90,10 +90,6 @@ class SignatureRule(Rule):
                     best, best_cost = sig, cost
             chosen.append(Signature(best.outs, [w if w is not None else REPLICATE for w in best.ins]))
         return assemble(call, chosen, self.out_ndims(call))
-
-
-def _keep(p: Placement) -> Placement:
-    return REPLICATE if isinstance(p, Shard) else p  # size-1 axis: nothing is split
 
 
 def assemble(call: OpCall, chosen: list[Signature], out_ndims: list[int]) -> Strategy:

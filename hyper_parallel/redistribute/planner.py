@@ -116,12 +116,17 @@ def _plan(src: Layout, dst: Layout, shape: tuple) -> list:
     return steps
 
 
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
 def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, shape: tuple) -> torch.Tensor:
     if src is dst:
         return local
     mesh = dst.mesh
     for step in plan(src, dst, shape):
         kind = step[0]
+        if kind in _COLLECTIVES and mesh.shape[step[1]] == 1:
+            continue  # a size-1 axis holds everything already
         if kind == "slice":
             local = local.narrow(step[1], step[2], step[3])
         elif kind == "all_gather":
