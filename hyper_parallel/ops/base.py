@@ -93,26 +93,40 @@ class SignatureRule(Rule):
 
 
 def assemble(call: OpCall, chosen: list[Signature], out_ndims: list[int]) -> Strategy:
-    """Turn one chosen signature per mesh axis into input and output layouts (keeping split order)."""
-    in_layouts = []
-    order = {}  # axis -> position it had in its source input's dim, to order multi-axis output splits
+    """Turn one chosen signature per mesh axis into input and output layouts (keeping split order).
+
+    Dims split over several axes get one nesting order shared by every input and output: dims that
+    the signatures split together (a contracted dim, a batch dim) must nest their pieces identically.
+    The order is the one an input already has (multi-axis splits first), new axes innermost.
+    """
+    wanted = []  # per input, per dim: the axes that split it
     for i, spec in enumerate(call.inputs):
-        cur_map = spec.layout.tensor_map
-        dims = [[] for _ in range(spec.ndim)]
+        dims = [set() for _ in range(spec.ndim)]
+        for axis, sig in enumerate(chosen):
+            p = sig.ins[i]
+            if isinstance(p, Shard):
+                dims[p.dim % spec.ndim].add(axis)
+        wanted.append(dims)
+    order = {}
+    for multi in (True, False):
+        for spec, dims in zip(call.inputs, wanted):
+            for d, axes in enumerate(spec.layout.tensor_map):
+                kept = [a for a in axes if a in dims[d]]
+                if (len(kept) > 1) == multi:
+                    for pos, a in enumerate(kept):
+                        order.setdefault(a, pos)
+    n_axes = len(chosen)
+
+    def key(a):
+        return (order.get(a, n_axes), a)
+
+    in_layouts = []
+    for i, spec in enumerate(call.inputs):
         partial = []
         for axis, sig in enumerate(chosen):
             p = sig.ins[i]
             partial.append(p.reduce_op if isinstance(p, Partial) else None)
-            if isinstance(p, Shard):
-                d = p.dim % spec.ndim
-                dims[d].append(axis)
-        tensor_map = []
-        for d, axes in enumerate(dims):
-            kept = [a for a in cur_map[d] if a in axes]
-            axes = kept + [a for a in axes if a not in kept]
-            for pos, a in enumerate(axes):
-                order.setdefault(a, pos)
-            tensor_map.append(tuple(axes))
+        tensor_map = [tuple(sorted(axes, key=key)) for axes in wanted[i]]
         in_layouts.append(spec.layout.with_map(tensor_map, partial))
     outs = []
     base = call.inputs[0].layout if call.inputs else None
@@ -124,7 +138,7 @@ def assemble(call: OpCall, chosen: list[Signature], out_ndims: list[int]) -> Str
             partial.append(p.reduce_op if isinstance(p, Partial) else None)
             if isinstance(p, Shard):
                 dims[p.dim % ndim].append(axis)
-        tensor_map = [tuple(sorted(axes, key=lambda a: (order.get(a, 0), a))) for axes in dims]
+        tensor_map = [tuple(sorted(axes, key=key)) for axes in dims]
         outs.append(base.with_map(tensor_map, partial))
     return Strategy(in_layouts, outs)
 
