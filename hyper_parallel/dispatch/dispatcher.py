@@ -31,6 +31,7 @@ _PASSTHROUGH = {
     Tensor.is_complex, Tensor.is_signed, Tensor.get_device, Tensor.is_contiguous, Tensor.__hash__,
     Tensor.dim_order, Tensor.__format__, Tensor.is_inference, Tensor._is_view, Tensor.__dir__,
     Tensor.__reduce_ex__, Tensor.storage_offset, Tensor.is_shared,
+    torch.is_complex, torch.is_floating_point,  # metadata queries (optimizers ask them of every param)
 }
 for _prop in ("shape", "dtype", "device", "layout", "requires_grad", "grad", "grad_fn", "is_leaf", "ndim",
               "_grad", "_grad_fn", "_base", "_version", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
@@ -146,7 +147,7 @@ def _out_shapes(func, args, kwargs):
     except Exception:  # data-dependent ops and ops without meta kernels: the rule must know
         return None
     found = []
-    _collect([out], found)
+    _collect([tuple(out) if isinstance(out, tuple) else out], found)  # torch.return_types.* too
     return [tuple(t.shape) for t in found]
 
 
@@ -274,6 +275,10 @@ def _dispatch(func, args, kwargs):
         if inplace:
             return _finish_inplace(args[0], out if isinstance(out, Tensor) else locs[0], grad) \
                 if type(args[0]) is DTensor else out
+        if isinstance(out, Tensor):
+            same = _returned_input(out, locs, leaves)
+            if same is not None:
+                return same
         return _wrap_replicated(out, mesh, grad)
 
     key = _key(func, args, kwargs, rule.float_args_matter)
@@ -309,6 +314,15 @@ def _dispatch(func, args, kwargs):
     return _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
 
 
+def _returned_input(out, locs, leaves):
+    """An op that hands back its input unchanged (`x.to(x.dtype)`, `x.contiguous()`) returns the same DTensor,
+    as torch returns the same tensor: no new autograd node, so gradients accumulate exactly as without DTensor."""
+    for loc, leaf in zip(locs, leaves):
+        if out is loc and type(leaf) is DTensor:
+            return leaf
+    return None
+
+
 def _missing(func, name, inplace, args, kwargs, leaves, mesh):
     """No rule: raise, or (inside record_missing_ops) record the op and run it on full values."""
     if not registry.recording():
@@ -330,6 +344,10 @@ def _missing(func, name, inplace, args, kwargs, leaves, mesh):
     out = func(*largs, **lkwargs)
     if mesh is None:
         return out
+    if isinstance(out, Tensor) and all(type(t) is not DTensor or t._layout.is_replicate for t in leaves):
+        same = _returned_input(out, locs, leaves)
+        if same is not None:
+            return same
     if inplace and type(args[0]) is DTensor:
         target = args[0]
         new = out if isinstance(out, Tensor) else locs[0]

@@ -51,7 +51,16 @@ def _copy(func, args, kwargs):
     return dst
 
 
+def _scalar(func, args, kwargs):
+    """A DTensor used where torch wants a Python number (`torch.arange(t.sum())`): the global value."""
+    x = args[0]
+    local = x._local if x._layout.is_replicate else redistribute_local(x._local, x._layout, x._layout.replicated(),
+                                                                        x._shape)
+    return func(local)
+
+
 _HANDLERS = {
+    aten._local_scalar_dense.default: _scalar,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.ones_like.default: _like,

@@ -1,0 +1,338 @@
+"""Indexing: __getitem__ / __setitem__, gather / scatter / index_* ops, data-dependent ops and Python values.
+
+Positions in an index refer to the global tensor, so a dim that an index selects from must be whole
+(unless it takes the full range); other dims keep their splits. An index tensor split on its own dims
+(token ids split over data-parallel ranks) may keep that split where the indexed tensor is replicated.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ..dispatch.call import OpCall, Strategy
+from .base import Partial, Rule, Shard, Signature, SignatureRule, REPLICATE
+from .shape import ALL_OPS, LINEAR, main_strategy, norm_dim, replicate_all
+
+_MASKS = (torch.bool, torch.uint8)
+
+
+# ---- parsing an index ------------------------------------------------------------------------
+class IndexPlan:
+    """An index resolved against a tensor's global shape.
+
+    `items`: per index entry in order, one of ("new",), ("int", dim, i), ("slice", dim, slice),
+    ("adv", dims, ndim, input_number or None). `keep`: input dim -> output dim for full-range slices.
+    `slice_out`: input dim -> output dim for every slice. `adv_first` / `adv_ndim`: where the advanced
+    (tensor) index dims land in the output. `out_ndim`: rank of the result.
+    """
+
+    def __init__(self, index, shape: tuple):
+        raw = index if type(index) is tuple else (index,)
+        # tensors in the index are op inputs (numbered after x); lists become constant tensors
+        entries = [torch.as_tensor(e) if isinstance(e, (list, tuple)) else e for e in raw]
+        is_input = [isinstance(e, torch.Tensor) for e in raw]
+        ndim = len(shape)
+
+        def consumed(e):
+            if e is None or e is Ellipsis or isinstance(e, bool):
+                return 0
+            if isinstance(e, torch.Tensor) and e.dtype in _MASKS:
+                return e.ndim
+            return 1
+        n_ell = ndim - sum(consumed(e) for e in entries if e is not Ellipsis)
+        items, pos, n_inputs = [], 0, 0
+        for k, e in enumerate(entries):
+            if e is None or isinstance(e, bool):
+                items.append(("new",))
+            elif e is Ellipsis:
+                for _ in range(n_ell):
+                    items.append(("slice", pos, slice(None)))
+                    pos += 1
+            elif isinstance(e, torch.Tensor):
+                number = None
+                if is_input[k]:
+                    n_inputs += 1
+                    number = n_inputs
+                if e.dtype in _MASKS:
+                    items.append(("adv", tuple(range(pos, pos + e.ndim)), 1, None))  # data-dependent length
+                    pos += e.ndim
+                else:
+                    items.append(("adv", (pos,), e.ndim, number))
+                    pos += 1
+            elif isinstance(e, slice):
+                items.append(("slice", pos, e))
+                pos += 1
+            elif isinstance(e, numbers.Integral):
+                items.append(("int", pos, int(e)))
+                pos += 1
+            else:
+                raise TypeError(f"unsupported index entry {type(e).__name__}")
+        for d in range(pos, ndim):
+            items.append(("slice", d, slice(None)))
+        post = [k for k, it in enumerate(items) if it[0] != "int"]
+        advs = [k for k in post if items[k][0] == "adv"]
+        adjacent = bool(advs) and post.index(advs[-1]) - post.index(advs[0]) == len(advs) - 1
+        self.adv_ndim = max((items[k][2] for k in advs), default=0)
+        self.adv_first = None if not advs or adjacent else 0
+        out = 0 if self.adv_first is None else self.adv_ndim
+        self.keep, self.slice_out = {}, {}
+        for k in post:
+            it = items[k]
+            if it[0] == "adv":
+                if self.adv_first is None:
+                    self.adv_first = out
+                    out += self.adv_ndim
+                elif adjacent:
+                    continue
+            elif it[0] == "new":
+                out += 1
+            else:
+                d, sl = it[1], it[2]
+                self.slice_out[d] = out
+                if range(shape[d])[sl] == range(shape[d]):
+                    self.keep[d] = out
+                out += 1
+        self.items = items
+        self.out_ndim = out
+        self.has_adv = bool(advs)
+
+
+def _plan(call: OpCall) -> IndexPlan:
+    return IndexPlan(call.args[1], call.inputs[0].shape)
+
+
+class GetItem(Rule):
+    """x[index]: selected dims whole, full-range slices and untouched dims keep their splits."""
+
+    def strategy(self, call: OpCall) -> Strategy:
+        x = call.inputs[0]
+        plan = _plan(call)
+        if call.out_shapes is not None and len(call.out_shapes[0]) != plan.out_ndim:
+            raise RuntimeError(f"{call.name}: index parsed to rank {plan.out_ndim}, torch says "
+                               f"{len(call.out_shapes[0])}")
+        strat = main_strategy(call, plan.keep, out_ndims=[plan.out_ndim])
+        advs = [it for it in plan.items if it[0] == "adv"]
+        if len(advs) == 1 and advs[0][3] is not None and call.out_shapes is not None:
+            self._index_splits(call, strat, advs[0], plan)
+        return strat
+
+    @staticmethod
+    def _index_splits(call, strat, adv, plan):
+        """A lone integer index tensor keeps its splits on axes the indexed tensor does not use."""
+        number = adv[3]
+        spec = call.inputs[number]
+        x_in = strat.in_layouts[0]
+        out = strat.out_layouts[0] if isinstance(strat.out_layouts, list) else strat.out_layouts
+        free = [a for a in spec.layout.sharded_axes if x_in.axis_dim[a] < 0 and x_in.partial[a] is None]
+        if not free:
+            return
+        idx_map = [tuple(a for a in axes if a in free) for axes in spec.layout.tensor_map]
+        out_map = [list(axes) for axes in out.tensor_map]
+        for k, axes in enumerate(idx_map):
+            out_map[plan.adv_first + k].extend(axes)
+        strat.in_layouts[number] = spec.layout.with_map(idx_map, (None,) * spec.layout.mesh.ndim)
+        strat.out_layouts = [out.with_map(out_map, out.partial)]
+
+
+class SetItem(Rule):
+    """x[index] = value, in place: x keeps its layout; the value is laid out like x's selected piece.
+
+    A split dim indexed by an int or a step-1 slice is translated to this rank's piece (ranks outside the
+    range write nothing); a pending sum in x receives the value on one rank only.
+    """
+
+    def strategy(self, call: OpCall) -> Strategy:
+        x = call.inputs[0]
+        lay = x.layout
+        mesh = lay.mesh
+        plan = _plan(call)
+        value = call.args[2] if len(call.args) > 2 else None
+        v_spec = call.inputs[-1] if isinstance(value, torch.Tensor) else None
+        r_nd = plan.out_ndim
+        v_nd = v_spec.ndim if v_spec is not None else 0
+        v_map = [[] for _ in range(v_nd)]
+        v_partial = [None] * mesh.ndim
+        translate = {}  # dim -> (offset, length) of this rank's piece
+        for a in range(mesh.ndim):
+            d = lay.axis_dim[a]
+            if lay.partial[a] is not None:
+                v_partial[a] = lay.partial[a]
+            if d < 0:
+                continue
+            item = next(it for it in plan.items if it[0] != "new" and (it[1] == d if it[0] != "adv" else d in it[1]))
+            if d in plan.keep:
+                vd = plan.keep[d] - (r_nd - v_nd)
+                if v_spec is not None and vd >= 0 and v_spec.shape[vd] == x.shape[d]:
+                    v_map[vd].append(a)
+            elif item[0] == "int" or (item[0] == "slice" and item[2].step in (None, 1)):
+                if plan.has_adv:
+                    self.fail(call, f"dim {d} is split and indexed together with tensor indices")
+                off = lay.local_offset(x.shape)[d]
+                translate[d] = (off, lay.local_shape(x.shape)[d])
+            else:
+                self.fail(call, f"dim {d} is split over mesh axis {mesh.mesh_dim_names[a]!r} and indexed by "
+                                f"{'a tensor' if item[0] == 'adv' else 'a stepped slice'}; gather it first")
+        ins = [lay] + [s.layout.replicated() for s in call.inputs[1:len(call.inputs) - (v_spec is not None)]]
+        if v_spec is not None:
+            order = {a: i for axes in lay.tensor_map for i, a in enumerate(axes)}
+            v_map = [sorted(axes, key=lambda a: order.get(a, 0)) for axes in v_map]
+            ins.append(v_spec.layout.with_map(v_map, v_partial))
+        root = all(mesh.coordinate[a] == 0 for a, p in enumerate(lay.partial) if p == "sum")
+        zero_scalar = v_spec is None and not root
+        if not translate and not zero_scalar:
+            return Strategy(ins, [lay])
+        return Strategy(ins, [lay], _local_setitem(plan, translate, x.shape, r_nd, v_nd, zero_scalar))
+
+
+def _local_setitem(plan: IndexPlan, translate: dict, shape: tuple, r_nd: int, v_nd: int, zero_scalar: bool):
+    """The local write for this rank: global positions on split dims become local ones."""
+    index, steps, p = [], [], 0
+    for it in plan.items:
+        kind = it[0]
+        if kind == "new":
+            index.append(None)
+            p += 1
+        elif kind == "adv":
+            index.append(("tensor",))
+            p += it[2]
+        elif kind == "slice":
+            d, sl = it[1], it[2]
+            if d in translate:
+                off, n = translate[d]
+                r = range(shape[d])[sl]
+                lo, hi = max(r.start, off), min(r.stop, off + n)
+                hi = max(hi, lo)
+                index.append(slice(lo - off, hi - off))
+                steps.append(("narrow", p, lo - r.start if len(r) else 0, hi - lo))
+            else:
+                index.append(sl)
+            p += 1
+        else:
+            d, i = it[1], it[2] % shape[it[1]]
+            if d in translate:
+                off, n = translate[d]
+                mine = off <= i < off + n
+                index.append(slice(i - off, i - off + 1) if mine else slice(0, 0))
+                steps.append(("unsqueeze", p))
+                p += 1
+            else:
+                index.append(it[2])
+
+    def fn(x, idx, value):
+        tensors = iter([e for e in (idx if type(idx) is tuple else (idx,)) if isinstance(e, torch.Tensor)])
+        local_idx = tuple(next(tensors) if e == ("tensor",) else e for e in index)
+        if isinstance(value, torch.Tensor):
+            v = value.reshape((1,) * (r_nd - v_nd) + tuple(value.shape)) if r_nd > v_nd else value
+            for step in steps:
+                if step[0] == "unsqueeze":
+                    v = v.unsqueeze(step[1])
+                elif v.shape[step[1]] != 1:
+                    v = v.narrow(step[1], step[2], step[3])
+            value = v
+        elif zero_scalar:
+            value = type(value)(0) if isinstance(value, numbers.Number) else value
+        x[local_idx] = value
+    return fn
+
+
+# ---- gather / scatter families -----------------------------------------------------------------
+class IndexSelect(SignatureRule):
+    """index_select(x, dim, index): other dims keep splits; a split index splits the output's dim."""
+
+    def signatures(self, call: OpCall) -> list:
+        x = call.inputs[0]
+        dim = norm_dim(call.arg(1, "dim"), x.ndim)
+        sigs = [Signature([Shard(e)], [Shard(e), REPLICATE]) for e in range(x.ndim) if e != dim]
+        sigs.append(Signature([Shard(dim)], [REPLICATE, Shard(0)]))
+        sigs += [Signature([Partial(op)], [Partial(op), REPLICATE]) for op in ALL_OPS]
+        return sigs
+
+
+class Gather(SignatureRule):
+    """gather / take_along_dim: output dims follow the index; dims other than `dim` may split both alike."""
+
+    dim_index = 1
+
+    def strategy(self, call: OpCall) -> Strategy:
+        strat = super().strategy(call)
+        if call.arg(self.dim_index, "dim") is None:  # take_along_dim flattens with .view: gathered pieces
+            func = call.func                           # need not be contiguous
+
+            def flat(x, idx, *args, **kwargs):
+                return func(x.contiguous(), idx.contiguous(), *args, **kwargs)
+            strat.local_fn = flat
+        return strat
+
+    def signatures(self, call: OpCall) -> list:
+        x, idx = call.inputs[0], call.inputs[1]
+        dim = call.arg(self.dim_index, "dim")
+        if dim is None or call.out_shapes is None or x.ndim != idx.ndim:
+            return []
+        out = call.out_shapes[0]
+        dim = norm_dim(dim, x.ndim)
+        sigs = []
+        for e in range(x.ndim):  # positions along dims other than `dim` pair x with the index one to one
+            if idx.shape[e] == out[e] and out[e] > 1:
+                if e == dim:
+                    sigs.append(Signature([Shard(e)], [REPLICATE, Shard(e)]))
+                elif x.shape[e] == out[e]:
+                    sigs.append(Signature([Shard(e)], [Shard(e), Shard(e)]))
+        sigs += [Signature([Partial(op)], [Partial(op), REPLICATE]) for op in ALL_OPS]
+        return sigs
+
+
+class Scatter(SignatureRule):
+    """scatter / scatter_add / index_add / index_copy (and in-place forms): x, index and source split alike
+    on dims other than `dim`; pending reductions pass when x and source carry them (sums only for adds).
+
+    `index_split`: the index shares x's dims (scatter) rather than being a 1-D list (index_*).
+    """
+
+    accumulate = False
+    index_split = True
+
+    def signatures(self, call: OpCall) -> list:
+        x = call.inputs[0]
+        dim = norm_dim(call.arg(1, "dim"), x.ndim)
+        n = len(call.inputs)
+        reduce_arg = call.kwargs.get("reduce") is not None or len(call.args) > 4 and isinstance(call.args[4], str)
+        idx = call.inputs[1]
+        src = call.inputs[2] if n == 3 else None
+        follow = ([idx] if self.index_split else []) + ([src] if src is not None else [])
+        sigs = []
+        for e in range(x.ndim):
+            if e != dim and x.shape[e] > 1 and all(s.ndim == x.ndim and s.shape[e] == x.shape[e] for s in follow):
+                ins = [Shard(e), Shard(e) if self.index_split else REPLICATE] + ([Shard(e)] if src is not None else [])
+                sigs.append(Signature([Shard(e)], ins))
+        if reduce_arg:
+            return sigs
+        if n == 3:  # a tensor source: pending reductions pass when x and source both hold terms
+            for op in (LINEAR if self.accumulate else ALL_OPS):
+                sigs.append(Signature([Partial(op)], [Partial(op), REPLICATE, Partial(op)]))
+        return sigs
+
+
+# ---- data-dependent results and Python values ------------------------------------------------
+def _dummy_out_ndims(call: OpCall) -> list:
+    """Ranks of the op's tensor outputs, found by running it on tiny tensors (they do not depend on data)."""
+    from ..dispatch.dispatcher import _collect, _swap_args
+    dummies = [torch.zeros((1,) * s.ndim, dtype=s.dtype) for s in call.inputs]
+    args, kwargs = _swap_args(call.args, call.kwargs, dummies)
+    with torch.no_grad():
+        out = call.func(*args, **kwargs)
+    found = []
+    _collect([tuple(out) if isinstance(out, tuple) else out], found)
+    return [t.ndim for t in found]
+
+
+class Replicated(Rule):
+    """Ops whose results depend on the data (nonzero, unique, masked_select) or leave torch (item,
+    tolist, bool, int, float, index): every input is gathered, results are replicated."""
+
+    def strategy(self, call: OpCall) -> Strategy:
+        ndims = [len(s) for s in call.out_shapes] if call.out_shapes is not None else _dummy_out_ndims(call)
+        return replicate_all(call, ndims)
+
+
+__all__ = ["GetItem", "SetItem", "IndexSelect", "Gather", "Scatter", "Replicated", "IndexPlan"]

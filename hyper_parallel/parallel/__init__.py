@@ -1,0 +1,1 @@
+"""Parallelisms built on DTensor layouts: tensor parallel (shard) and hybrid sharded data parallel (hsdp)."""

@@ -1,0 +1,322 @@
+"""shard(): lay out a model's parameters as DTensors from a plan and move module inputs/outputs by hooks.
+
+Because DTensor gives single-device semantics, the model's own code runs unchanged; the plan only
+chooses layouts so that the op rules produce Megatron-style communication: column-parallel
+projections leave activations split on their last dim, row-parallel ones leave a pending sum that
+the module's output hook reduces once. Reading order: `shard` -> `_resolve` -> `_lay_out_parameters`
+-> `_install_boundaries` -> `_install_experts`.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ...dtensor.autograd import Unwrap, Wrap
+from ...dtensor.dtensor import DTensor, make_dtensor
+from ...layout.layout import Layout, PlacementLayout, replicate_layout
+from ...layout.mesh import DeviceMesh, ensure_process_group, get_mesh
+from ...redistribute import collectives
+from ...redistribute.planner import redistribute_local
+from .plan import (Boundary, Resolved, ShardingPlan, auto_plan, check_heads, resolve_sharding_plan,
+                   resolve_styles)
+
+TP = "tp"
+
+
+def shard(model: nn.Module, plan: Any, mesh: DeviceMesh | Layout | None = None, *,
+          src_data_rank: int | None = 0) -> nn.Module:
+    """Tensor-parallelise `model` in place and return it (also on one rank).
+
+    Every parameter becomes an nn.Parameter(DTensor) holding only its shard (unplanned ones are
+    replicated, so their gradients are summed wherever the computation using them is split); module
+    inputs and outputs named by the plan are moved by forward pre-hooks and hooks.
+    `plan`: a `ShardingPlan`, a Hugging Face style dict (path -> style name), a dict of path -> layout
+    spec (taken as `ShardingPlan(plan=...)`), or "auto" (the model's own tp_plan).
+    `mesh`: the device mesh (or a Layout whose mesh to use); by default a 1-D mesh named "tp" over all
+    ranks. Style plans use the mesh's "tp" axis. `src_data_rank`: parameters are first broadcast
+    from coordinate 0 of the mesh (as torch does) so that ranks that built different random weights
+    agree; None skips it (every rank already holds the same weights, or they are on the meta device).
+    """
+    mesh, tp_mesh = _resolve_mesh(plan, mesh)
+    res = _resolve(model, plan, mesh, tp_mesh)
+    _lay_out_parameters(model, res, src_data_rank)
+    _install_boundaries(model, res)
+    _install_experts(model, res)
+    return model
+
+
+def shard_module(model: nn.Module, mesh: DeviceMesh | Layout | None, plan: Any, *,
+                 src_data_rank: int | None = 0) -> nn.Module:
+    """`shard` with torch's argument order (`parallelize_module(module, mesh, plan)`)."""
+    return shard(model, plan, mesh, src_data_rank=src_data_rank)
+
+
+# ---- mesh and plan ------------------------------------------------------------------------------
+def _resolve_mesh(plan, mesh):
+    if isinstance(mesh, (Layout, PlacementLayout)):
+        mesh = mesh.mesh
+    if mesh is None:
+        mesh = _mesh_in_plan(plan)
+    if mesh is None:
+        world = dist.get_world_size() if ensure_process_group() else 1
+        mesh = get_mesh((world,), (TP,))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"shard: mesh must be a DeviceMesh or a Layout, got {type(mesh).__name__}")
+    if TP in mesh.mesh_dim_names:
+        tp_mesh = mesh if mesh.ndim == 1 else mesh[TP]
+    elif mesh.ndim == 1:
+        tp_mesh = mesh  # any 1-D mesh is the tensor-parallel axis, as for torch's parallelize_module
+    else:
+        tp_mesh = None
+    return mesh, tp_mesh
+
+
+def _mesh_in_plan(plan):
+    if isinstance(plan, ShardingPlan):
+        for group in (plan.plan, plan.input_plan, plan.output_plan):
+            for spec in (group or {}).values():
+                for s in (spec.values() if isinstance(spec, dict) else spec if isinstance(spec, list) else [spec]):
+                    if isinstance(s, (Layout, PlacementLayout)):
+                        return s.mesh
+    return None
+
+
+def _resolve(model: nn.Module, plan: Any, mesh: DeviceMesh, tp_mesh) -> Resolved:
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"shard: plan must be a ShardingPlan, a dict or 'auto', got {plan!r}")
+        plan, strict = auto_plan(model), False
+    else:
+        strict = True
+    if isinstance(plan, Mapping) and plan and all(isinstance(v, str) for v in plan.values()):
+        if tp_mesh is None:
+            raise ValueError(f"shard: a style plan needs a mesh axis named 'tp'; the mesh has axes "
+                             f"{mesh.mesh_dim_names}")
+        res = resolve_styles(model, plan, tp_mesh, strict)
+    elif isinstance(plan, Mapping):
+        res = resolve_sharding_plan(model, ShardingPlan(plan=plan), mesh, tp_mesh)
+    elif isinstance(plan, ShardingPlan):
+        res = resolve_sharding_plan(model, plan, mesh, tp_mesh)
+    else:
+        raise TypeError(f"shard: plan must be a ShardingPlan, a dict or 'auto', got {type(plan).__name__}")
+    check_heads(model, res)
+    return res
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+def _lay_out_parameters(model: nn.Module, res: Resolved, src_data_rank: int | None) -> None:
+    """Every parameter becomes nn.Parameter(DTensor): planned ones split, the rest replicated.
+
+    Replicated ones matter too: their gradients are then summed over the ranks wherever the
+    computation using them is split (e.g. Qwen3's per-head q_norm), with no special style.
+    """
+    owners: dict = {}   # id(param) -> (param, [(module, attr, full name)])
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pn, p in module._parameters.items():
+            if p is not None:
+                full = f"{mname}.{pn}" if mname else pn
+                owners.setdefault(id(p), (p, []))[1].append((module, pn, full))
+    for p, uses in owners.values():
+        planned = {}
+        for _, _, full in uses:
+            fn = res.params.get(full)
+            if fn is not None:
+                planned[full] = fn(p.ndim)
+        layouts = set(planned.values())
+        if len(layouts) > 1:
+            detail = ", ".join(f"{n} -> {lay.alias_entries()} ({res.sources.get(n)})" for n, lay in planned.items())
+            raise ValueError(f"tied parameter planned with different layouts: {detail}")
+        mesh = _mesh_of(res, planned)
+        layout = layouts.pop() if layouts else replicate_layout(mesh, p.ndim)
+        new = distribute_parameter(p, layout, src_data_rank)
+        for module, pn, _ in uses:
+            module._parameters[pn] = new
+
+
+def _mesh_of(res: Resolved, planned: dict) -> DeviceMesh:
+    for lay in planned.values():
+        return lay.mesh
+    return res.mesh
+
+
+def distribute_parameter(p: Tensor, layout: Layout, src_data_rank: int | None = 0) -> nn.Parameter:
+    """nn.Parameter(DTensor) holding this rank's piece of `p` (a meta `p` gives a meta piece)."""
+    if isinstance(p, DTensor):
+        if p.device_mesh is not layout.mesh:
+            raise ValueError(f"parameter already lives on mesh {p.device_mesh}; cannot move it to {layout.mesh}")
+        with torch.no_grad():
+            dt = p.detach().redistribute(layout)
+        return nn.Parameter(dt, requires_grad=p.requires_grad)
+    full = p.detach()
+    shape = tuple(full.shape)
+    if full.is_meta:
+        local = torch.empty(layout.local_shape(shape), dtype=full.dtype, device="meta")
+    else:
+        if src_data_rank is not None and layout.mesh.distributed:
+            full = _broadcast_from_first(full.contiguous(), layout.mesh)
+        local = redistribute_local(full, replicate_layout(layout.mesh, full.ndim), layout, shape)
+        if local is not full:
+            local = local.clone(memory_format=torch.contiguous_format)  # own memory: the full tensor can go
+    return nn.Parameter(make_dtensor(local, layout, shape), requires_grad=p.requires_grad)
+
+
+def _broadcast_from_first(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    for axis in range(mesh.ndim):
+        group = mesh.get_group(axis)
+        if group is not None:
+            t = collectives.broadcast(t, dist.get_global_rank(group, 0), group=group)
+    return t
+
+
+# ---- module boundaries --------------------------------------------------------------------------
+def _install_boundaries(model: nn.Module, res: Resolved) -> None:
+    modules = dict(model.named_modules())
+    for name, boundary in res.inputs.items():
+        modules[name].register_forward_pre_hook(_input_hook(boundary, name or "<root>"), with_kwargs=True)
+    for name, boundary in res.outputs.items():
+        modules[name].register_forward_hook(_output_hook(boundary, name or "<root>"))
+
+
+def move(x: Tensor, layout_fn, where: str) -> DTensor:
+    """`x` in the layout `layout_fn(x.ndim)`; a plain tensor is the replicated value it holds."""
+    layout = layout_fn(x.ndim)
+    mesh = layout.mesh
+    if isinstance(x, DTensor):
+        if x.device_mesh is not mesh:
+            raise ValueError(f"{where}: the tensor lives on mesh {x.device_mesh}, but the module is sharded "
+                             f"on {mesh}; redistribute it onto that mesh first")
+        return x if x.dist_layout is layout else x.redistribute(layout)
+    dt = DTensor.from_local(x, replicate_layout(mesh, x.ndim))
+    return dt if layout.is_replicate else dt.redistribute(layout)
+
+
+def _input_hook(b: Boundary, where: str):
+    def hook(module, args, kwargs):
+        args = list(args)
+        if b.first is not None:
+            if args and isinstance(args[0], Tensor):
+                args[0] = move(args[0], b.first, f"input of {where}")
+            else:
+                for k, v in kwargs.items():
+                    if isinstance(v, Tensor):
+                        kwargs[k] = move(v, b.first, f"input {k!r} of {where}")
+                        break
+        for i, fn in b.positional.items():
+            if i < len(args) and isinstance(args[i], Tensor):
+                args[i] = move(args[i], fn, f"input {i} of {where}")
+        for k, fn in b.named.items():
+            if isinstance(kwargs.get(k), Tensor):
+                kwargs[k] = move(kwargs[k], fn, f"input {k!r} of {where}")
+        return tuple(args), kwargs
+    return hook
+
+
+def _output_hook(b: Boundary, where: str):
+    def out_one(t, fn, label):
+        if fn is not None:
+            t = move(t, fn, f"output {label}of {where}")
+        if isinstance(t, DTensor) and (b.local or (b.local_if_replicated and t.dist_layout.is_replicate)):
+            t = t.to_local()
+        return t
+
+    def hook(module, args, output):
+        if isinstance(output, Tensor):
+            return out_one(output, b.first, "")
+        if isinstance(output, (tuple, list)):
+            items = list(output)
+            first_done = b.first is None
+            for i, v in enumerate(items):
+                if not isinstance(v, Tensor):
+                    continue
+                fn = b.positional.get(i)
+                if fn is None and not first_done:
+                    fn, first_done = b.first, True
+                items[i] = out_one(v, fn, f"{i} ")
+            return type(output)(items) if type(output) in (tuple, list) else type(output)(*items)
+        if isinstance(output, Mapping):
+            for k in list(output.keys()):
+                v = output[k]
+                if isinstance(v, Tensor) and (k in b.named or b.local):
+                    output[k] = out_one(v, b.named.get(k), f"{k!r} ")
+            return output
+        return output
+    return hook
+
+
+# ---- MoE experts: whole experts per rank, run locally -----------------------------------------------
+def _install_experts(model: nn.Module, res: Resolved) -> None:
+    modules = dict(model.named_modules())
+    for name in res.experts:
+        module = modules[name]
+        module.forward = _experts_forward(module, module.forward, name)
+
+
+def _experts_forward(module: nn.Module, original, where: str):
+    """Each rank holds a contiguous block of experts (Shard(0)) and runs only the routes that reach them.
+
+    Routes to other ranks' experts get the out-of-range id `n_local` (which the transformers experts
+    code skips) and weight 0; the local outputs are partial sums, reduced by one all-reduce. The
+    shared inputs (hidden states, routing weights) get Partial gradient layouts, since each rank
+    back-propagates through its own experts only.
+    """
+    sig = inspect.signature(original)
+
+    def forward(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        names = list(bound.arguments)
+        hidden_name, index_name, weight_name = (names + [None, None, None])[:3]
+        params = {pn: p for pn, p in module._parameters.items() if p is not None}
+        some = next(iter(params.values()))
+        mesh = some.device_mesh
+        axis = some.dist_layout.sharded_axes[0] if some.dist_layout.sharded_axes else None
+        hidden = _local_input(bound.arguments[hidden_name], mesh, axis)
+        n_total = some.shape[0]
+        offset = some.dist_layout.local_offset(some.shape)[0]
+        n_local = some._local.shape[0]
+        index = bound.arguments[index_name]
+        index = index.full_tensor() if isinstance(index, DTensor) else index
+        off = (index < offset) | (index >= offset + n_local)
+        bound.arguments[index_name] = torch.where(off, torch.full_like(index, n_local), index - offset)
+        if weight_name is not None:
+            weights = _local_input(bound.arguments[weight_name], mesh, axis)
+            bound.arguments[weight_name] = weights.masked_fill(off, 0)
+        bound.arguments[hidden_name] = hidden
+        saved_n = getattr(module, "num_experts", None)
+        saved_ep = getattr(module, "_is_expert_parallel", None)
+        try:
+            for pn, p in params.items():
+                module._parameters[pn] = p.to_local() if isinstance(p, DTensor) else p
+            if saved_n == n_total:
+                module.num_experts = n_local
+            if saved_ep is not None:  # transformers' kernels then zero the rows of routes to other ranks
+                module._is_expert_parallel = True
+            out = original(*bound.args, **bound.kwargs)
+        finally:
+            for pn, p in params.items():
+                module._parameters[pn] = p
+            if saved_n is not None:
+                module.num_experts = saved_n
+            if saved_ep is not None:
+                module._is_expert_parallel = saved_ep
+        rep = replicate_layout(mesh, out.ndim)
+        partial = rep.with_partial(mesh.mesh_dim_names[axis]) if axis is not None else rep
+        if torch.is_grad_enabled() and out.requires_grad:
+            dt = Wrap.apply(out, partial, tuple(out.shape))
+        else:
+            dt = make_dtensor(out, partial, tuple(out.shape))
+        return dt.redistribute(rep).to_local()
+
+    return forward
+
+
+def _local_input(x: Tensor, mesh: DeviceMesh, axis) -> Tensor:
+    """The full value of a shared input as a local tensor whose gradient is a partial sum over `axis`."""
+    dt = move(x, lambda nd: replicate_layout(mesh, nd), "experts input")
+    if not (torch.is_grad_enabled() and dt.requires_grad):
+        return dt._local
+    grad_layout = dt.dist_layout if axis is None else dt.dist_layout.with_partial(mesh.mesh_dim_names[axis])
+    return Unwrap.apply(dt, dt.dist_layout, grad_layout, dt.grad_fn is None)

@@ -1,0 +1,421 @@
+"""Sharding plans: what the user writes, and what it resolves to on one model.
+
+Three forms are accepted and all resolve to the same `Resolved` (parameter layouts by full parameter
+name, input/output rules by module name, expert modules):
+
+- `ShardingPlan(plan=..., input_plan=..., output_plan=..., return_local_tensor=...)`, with specs as
+  alias tuples (one entry per tensor dim), Placement tuples (one per mesh axis) or tensor Layouts;
+- a Hugging Face style dict, module (or parameter) path -> style name (`STYLES` below);
+- `"auto"`: the model's own `tp_plan` (config.base_model_tp_plan under the base model's prefix,
+  plus the head's `_tp_plan`).
+
+Paths match atom by atom (split on "."), each atom with shell wildcards (`*` is one atom, e.g. a
+layer number). A user entry that matches nothing is an error naming it; entries of an "auto" plan
+may match nothing (a MoE model's plan names its dense MLPs too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Mapping, Sequence
+
+from torch import nn
+
+from ...layout.layout import Layout, PlacementLayout
+from ...layout.mesh import DeviceMesh
+from ...layout.placement import Placement, Shard, REPLICATE
+
+
+@dataclass
+class ShardingPlan:
+    """Parameter, module-input and module-output layouts by path.
+
+    plan: parameter path (wildcards allowed) -> spec, e.g. `{"model.layers.*.mlp.up_proj.weight": ("tp", "None")}`;
+        a value may also be a Hugging Face style name (then the key may name a module).
+    input_plan: module path -> spec of its input(s). `"input"` (or `"<path>.input"`) names the root
+        module (or `<path>`). A spec is one layout (first tensor input), a list (positional inputs,
+        None = leave), or a dict (keyword inputs by name, positions by int).
+    output_plan: the same for outputs (`"output"`, `"<path>.output"`); a dict names fields of a
+        dict-like output (e.g. `{"logits": ("None", "None", "tp")}`).
+    return_local_tensor: module paths whose (DTensor) outputs are handed on as local tensors.
+    """
+
+    plan: Mapping[str, Any] | None = None
+    input_plan: Mapping[str, Any] | None = None
+    output_plan: Mapping[str, Any] | None = None
+    return_local_tensor: Sequence[str] | str | None = None
+
+
+# ---- specs -> layouts ----------------------------------------------------------------------------
+LayoutFn = Callable[[int], Layout]
+
+
+def _spec_to_layout_fn(spec: Any, mesh: DeviceMesh, where: str) -> LayoutFn:
+    if isinstance(spec, Layout):
+        if spec.tensor_map is None:
+            raise ValueError(f"{where}: {spec} is a device matrix; call it with one entry per tensor dim")
+        if spec.mesh is not mesh:
+            raise ValueError(f"{where}: layout {spec} lives on mesh {spec.mesh}, but shard uses {mesh}")
+        return lambda ndim: spec.for_ndim(ndim, f"tensor at {where}")
+    if isinstance(spec, PlacementLayout):
+        if spec.mesh is not mesh:
+            raise ValueError(f"{where}: layout {spec} lives on mesh {spec.mesh}, but shard uses {mesh}")
+        return lambda ndim: spec.for_ndim(ndim, f"tensor at {where}")
+    if isinstance(spec, Placement):
+        spec = (spec,)
+    if not isinstance(spec, (tuple, list)):
+        raise TypeError(f"{where}: a layout spec is an alias tuple like ('tp', 'None'), a Placement tuple like "
+                        f"(Shard(0),) or a Layout, got {spec!r}")
+    spec = tuple(spec)
+    if spec and all(isinstance(p, Placement) for p in spec):
+        if len(spec) != mesh.ndim:
+            raise ValueError(f"{where}: {len(spec)} placements {spec} for a mesh with {mesh.ndim} axes "
+                             f"{mesh.mesh_dim_names}: give one per mesh axis")
+        return lambda ndim: Layout.from_placements(mesh, spec, ndim)
+    try:
+        layout = Layout(mesh)(*spec)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+    def fn(ndim: int) -> Layout:
+        if ndim != len(spec):
+            raise ValueError(f"{where}: layout {spec} has {len(spec)} entries but the tensor has {ndim} dims: "
+                             f"give one entry per tensor dim")
+        return layout
+    return fn
+
+
+def spec_to_layout_fn(spec: Any, mesh: DeviceMesh, where: str) -> LayoutFn:
+    """A function of the tensor's rank giving its Layout; aliases are checked now, the rank at use."""
+    return _memo(_spec_to_layout_fn(spec, mesh, where))
+
+
+def placement_fn(placement: Placement, mesh: DeviceMesh) -> LayoutFn:
+    """Layouts for one placement on a 1-D mesh (the tp axis)."""
+    return _memo(lambda ndim: Layout.from_placements(mesh, (placement,), ndim))
+
+
+def _memo(fn: LayoutFn) -> LayoutFn:
+    """Hooks ask for a layout on every call: remember it per tensor rank."""
+    cache: dict = {}
+
+    def get(ndim: int) -> Layout:
+        layout = cache.get(ndim)
+        if layout is None:
+            layout = cache[ndim] = fn(ndim)
+        return layout
+    return get
+
+
+# ---- path matching -------------------------------------------------------------------------------
+def path_matches(pattern: str, name: str) -> bool:
+    pat, parts = pattern.split("."), name.split(".")
+    return len(pat) == len(parts) and all(fnmatchcase(n, p) for n, p in zip(parts, pat))
+
+
+def find(pattern: str, names) -> list[str]:
+    if "*" not in pattern and "?" not in pattern and "[" not in pattern:
+        return [pattern] if pattern in names else []
+    return [n for n in names if path_matches(pattern, n)]
+
+
+# ---- Hugging Face styles -------------------------------------------------------------------------
+def _col(ndim: int) -> Placement:      # Linear weight [out, in], experts [E, out, in], bias [out]
+    return Shard(ndim - 2) if ndim >= 2 else Shard(0)
+
+
+def _row(ndim: int) -> Placement:      # weight split on its input dim; the bias is added after the reduce
+    return Shard(ndim - 1) if ndim >= 2 else REPLICATE
+
+
+def _rep(ndim: int) -> Placement:
+    return REPLICATE
+
+
+def _dim0(ndim: int) -> Placement:
+    return Shard(0)
+
+
+def _dim1(ndim: int) -> Placement:
+    return Shard(1) if ndim >= 2 else REPLICATE
+
+
+@dataclass(frozen=True)
+class Style:
+    """One Hugging Face style as DTensor layouts on the tp axis.
+
+    `param` gives a parameter's placement from its rank; `inp`/`out` are the placements the module's
+    first input / its output are moved to (None: untouched). A Replicate output is handed on as a plain
+    tensor, as transformers does (`use_local_output`): it is the full value, so nothing is lost, and the
+    code after it (sampling in generate, the loss) runs on plain tensors. `experts`: a MoE experts
+    module whose experts are split over the axis and run locally (see api.py). `heads`: check that an
+    attention projection splits whole heads.
+    """
+
+    param: Callable[[int], Placement]
+    inp: Placement | None = None
+    out: Placement | None = None
+    experts: bool = False
+    heads: bool = False
+
+
+_R, _S_LAST = REPLICATE, Shard(-1)
+STYLES: dict[str, Style] = {
+    "colwise": Style(_col, inp=_R, out=_S_LAST, heads=True),
+    "colwise_rep": Style(_col, inp=_R, out=_R),
+    "colwise_gather_output": Style(_col, inp=_R, out=_R),
+    "rowwise": Style(_row, inp=_S_LAST, out=_R, heads=True),
+    "rowwise_rep": Style(_row, inp=_S_LAST, out=_R, heads=True),
+    "rowwise_split_input": Style(_row, inp=_S_LAST, out=_R, heads=True),
+    "embedding_rowwise": Style(_dim0, inp=_R, out=_R),
+    "embedding_colwise": Style(_dim1, inp=_R, out=_R),
+    # Packed [gate; up] weights split plainly on the output dim: the model's later chunk(2) then sees a
+    # split dim and its rule moves data (correct, one extra collective). Inside an experts module the
+    # experts style decides (whole experts per rank), so no packing issue arises there.
+    "packed_colwise": Style(_col, inp=_R),
+    "packed_rowwise": Style(_row),
+    "sequence_parallel": Style(_rep, inp=Shard(1)),
+    "replicated_with_grad_allreduce": Style(_rep),   # gradients of replicated DTensors are already summed
+    "replicate": Style(_rep),
+    "local_params": Style(_rep),
+    "mla_kv_a_proj": Style(_rep),                    # DTensor tracks the rope part's gradient itself
+    "all_reduce": Style(_rep, out=_R),
+    "moe_tp_experts": Style(_dim0, experts=True),
+    "ep_dispatch_experts": Style(_dim0, experts=True),
+    "grouped_gemm": Style(_dim0),
+}
+
+
+# ---- the resolved plan -----------------------------------------------------------------------------
+@dataclass
+class Boundary:
+    """How to move a module's inputs or outputs: `first` applies to the first tensor, `positional` by index,
+    `named` by keyword / field name. `local` hands DTensor results on as local tensors."""
+
+    first: LayoutFn | None = None
+    positional: dict = field(default_factory=dict)
+    named: dict = field(default_factory=dict)
+    local: bool = False
+    local_if_replicated: bool = False
+
+
+@dataclass
+class Resolved:
+    mesh: DeviceMesh
+    params: dict = field(default_factory=dict)        # full param name -> LayoutFn
+    sources: dict = field(default_factory=dict)       # full param name -> plan entry (for messages)
+    inputs: dict = field(default_factory=dict)        # module name -> Boundary
+    outputs: dict = field(default_factory=dict)       # module name -> Boundary
+    experts: set = field(default_factory=set)         # module names
+    head_checks: list = field(default_factory=list)   # (module, param, dim, parts): must split whole heads
+
+
+def _split_spec(spec, mesh, where) -> Boundary:
+    b = Boundary()
+    if isinstance(spec, list):
+        for i, s in enumerate(spec):
+            if s is not None:
+                b.positional[i] = spec_to_layout_fn(s, mesh, f"{where}[{i}]")
+    elif isinstance(spec, dict):
+        for k, s in spec.items():
+            if s is None:
+                continue
+            fn = spec_to_layout_fn(s, mesh, f"{where}[{k!r}]")
+            (b.positional if isinstance(k, int) else b.named)[k] = fn
+    else:
+        b.first = spec_to_layout_fn(spec, mesh, where)
+    return b
+
+
+def _module_key(key: str, suffix: str) -> str:
+    if key == suffix:
+        return ""
+    if key.endswith("." + suffix):
+        return key[: -len(suffix) - 1]
+    return key
+
+
+def resolve_sharding_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, tp_mesh) -> Resolved:
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    res = Resolved(mesh)
+    styled = {}
+    for key, spec in (plan.plan or {}).items():
+        if isinstance(spec, str):
+            styled[key] = spec
+            continue
+        names = find(key, params)
+        if not names:
+            raise ValueError(f"ShardingPlan entry {key!r} matches no parameter of {type(model).__name__} "
+                             f"(e.g. {_examples(params)})")
+        fn = spec_to_layout_fn(spec, mesh, f"plan[{key!r}]")
+        for n in names:
+            res.params[n] = fn
+            res.sources[n] = key
+            layout = fn(params[n].ndim)
+            res.head_checks += [(n.rpartition(".")[0], n, d, layout.shard_count(d)) for d in range(params[n].ndim)
+                                if layout.shard_count(d) > 1]
+    if styled:
+        if tp_mesh is None:
+            raise ValueError(f"style entries {sorted(styled)} need a mesh axis named 'tp'; the mesh has "
+                             f"{mesh.mesh_dim_names}")
+        if tp_mesh is not mesh and res.params:
+            raise ValueError(f"a ShardingPlan on the {mesh.ndim}-D mesh {mesh.mesh_dim_names} mixes style entries "
+                             f"{sorted(styled)} (laid out on its 'tp' axis) with layout specs (on the whole mesh): "
+                             f"use one kind, or give styles' layouts as specs")
+        _apply_styles(model, styled, tp_mesh, res, strict=True, modules=modules, params=params)
+    for key, spec in (plan.input_plan or {}).items():
+        mod = _module_key(key, "input")
+        for m in _find_modules(mod, modules, key, model):
+            res.inputs[m] = _split_spec(spec, mesh, f"input_plan[{key!r}]")
+    for key, spec in (plan.output_plan or {}).items():
+        mod = _module_key(key, "output")
+        for m in _find_modules(mod, modules, key, model):
+            res.outputs[m] = _split_spec(spec, mesh, f"output_plan[{key!r}]")
+    local = plan.return_local_tensor or []
+    if isinstance(local, str):
+        local = [local]
+    for key in local:
+        mod = _module_key(key, "output")
+        for m in _find_modules(mod, modules, key, model):
+            res.outputs.setdefault(m, Boundary()).local = True
+    return res
+
+
+def _find_modules(pattern, modules, key, model) -> list[str]:
+    found = [""] if pattern == "" else find(pattern, modules)
+    if not found:
+        raise ValueError(f"ShardingPlan entry {key!r} matches no module of {type(model).__name__} "
+                         f"(e.g. {_examples(modules)})")
+    return found
+
+
+def _examples(names) -> str:
+    shown = [n for n in names if n][:4]
+    return ", ".join(repr(n) for n in shown) + (", ..." if len(names) > 4 else "")
+
+
+def sequence_parallel_plan(base: str = "model", head: str = "lm_head", attn: str = "self_attn",
+                           mlp: str = "mlp") -> ShardingPlan:
+    """Megatron tensor + sequence parallelism for Llama-style decoders (Llama, Qwen2/3, Mistral, ...).
+
+    Activations between blocks stay split on the sequence dim: row-parallel outputs are
+    reduce-scattered onto it, and each block's input is all-gathered once, at the attention / MLP
+    module (not at each of q, k, v). Embedding and lm_head are vocabulary-parallel. `base` is the
+    decoder's path (e.g. "model.language_model" for Qwen3-VL).
+    """
+    col, row, rep3, seq3 = ("tp", "None"), ("None", "tp"), ("None", "None", "None"), ("None", "tp", "None")
+    layer = f"{base}.layers.*"
+    plan = {f"{layer}.{m}.weight": col for m in (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj",
+                                                   f"{mlp}.gate_proj", f"{mlp}.up_proj")}
+    plan.update({f"{layer}.{attn}.o_proj.weight": row, f"{layer}.{mlp}.down_proj.weight": row,
+                 f"{base}.embed_tokens.weight": col, f"{head}.weight": col})
+    return ShardingPlan(
+        plan=plan,
+        input_plan={f"{layer}.{attn}": {"hidden_states": rep3}, f"{layer}.{mlp}": rep3, head: rep3},
+        output_plan={f"{layer}.{attn}.o_proj": seq3, f"{layer}.{mlp}.down_proj": seq3,
+                     f"{base}.embed_tokens": seq3, head: rep3},
+        return_local_tensor=[head])
+
+
+def auto_plan(model: nn.Module) -> dict:
+    """The model's own tensor-parallel plan, with full paths."""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not base and hasattr(config, "get_text_config"):
+        base = dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    out = {}
+    if prefix and hasattr(model, prefix):
+        out.update({f"{prefix}.{k}": v for k, v in base.items()})
+    else:
+        out.update(base)
+    out.update(getattr(model, "_tp_plan", None) or {})
+    if not out:
+        raise ValueError(f"plan='auto': {type(model).__name__} declares no tensor-parallel plan "
+                         f"(config.base_model_tp_plan / _tp_plan); pass a plan")
+    return out
+
+
+def resolve_styles(model: nn.Module, plan: Mapping[str, str], tp_mesh: DeviceMesh, strict: bool) -> Resolved:
+    res = Resolved(tp_mesh)
+    _apply_styles(model, plan, tp_mesh, res, strict, dict(model.named_modules()),
+                  dict(model.named_parameters(remove_duplicate=False)))
+    return res
+
+
+def _apply_styles(model, plan, tp_mesh, res: Resolved, strict: bool, modules, params) -> None:
+    prefix = getattr(model, "base_model_prefix", "")
+    # experts first: they decide the layout of their own parameters, whatever other entries say
+    ordered = sorted(plan.items(), key=lambda kv: not (kv[1] in STYLES and STYLES[kv[1]].experts))
+    for key, name in ordered:
+        style = STYLES.get(name)
+        if style is None:
+            raise ValueError(f"unknown tensor-parallel style {name!r} for {key!r}; known styles: "
+                             f"{', '.join(sorted(STYLES))}")
+        mods = find(key, modules)
+        pars = [] if mods else find(key, params)
+        if not mods and not pars and prefix:  # a base-model plan given to a model with a head
+            mods = find(f"{prefix}.{key}", modules)
+            pars = [] if mods else find(f"{prefix}.{key}", params)
+        if not mods and not pars:
+            if strict:
+                raise ValueError(f"plan entry {key!r} ({name}) matches no module or parameter of "
+                                 f"{type(model).__name__} (e.g. {_examples(modules)})")
+            continue
+        for p in pars:
+            if p.rpartition(".")[0] in res.experts:
+                continue
+            ndim = params[p].ndim
+            res.params[p] = placement_fn(style.param(ndim), tp_mesh)
+            res.sources[p] = f"{key}: {name}"
+        for m in mods:
+            module = modules[m]
+            own = list(module.named_parameters(recurse=False))
+            if style.experts:
+                if not own:
+                    raise ValueError(f"{m}: style {name!r} needs an experts module holding the expert weights")
+                res.experts.add(m)
+            elif m in res.experts:
+                continue
+            for pn, p in own:
+                full = f"{m}.{pn}" if m else pn
+                res.params[full] = placement_fn(style.param(p.ndim), tp_mesh)
+                res.sources[full] = f"{key}: {name}"
+                if style.heads and pn == "weight":
+                    dim = p.ndim - 2 if style.param(p.ndim) == Shard(p.ndim - 2) else p.ndim - 1
+                    res.head_checks.append((m, full, dim, tp_mesh.size()))
+            if style.inp is not None and not style.experts:
+                res.inputs[m] = Boundary(first=placement_fn(style.inp, tp_mesh))
+            if style.out is not None:
+                res.outputs[m] = Boundary(first=placement_fn(style.out, tp_mesh),
+                                          local_if_replicated=style.out == REPLICATE)
+
+
+def check_heads(model: nn.Module, res: Resolved) -> None:
+    """An attention projection must split whole heads (its parent module's `head_dim`): a split inside a
+    head would make the model's (B, S, heads, head_dim) view move data on every call, or fail."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for m, full, dim, parts in res.head_checks:
+        if parts <= 1:
+            continue
+        parent = modules.get(m.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            continue
+        size = params[full].shape[dim]
+        if size % head_dim:
+            continue
+        heads = size // head_dim
+        if heads % parts:
+            raise ValueError(f"{m}: its {heads} heads (head_dim {head_dim}) cannot be split evenly over {parts} "
+                             f"ranks ({full} dim {dim}, plan entry {res.sources.get(full)!r}); use a "
+                             f"tensor-parallel size that divides the numbers of attention and key/value heads")
+
+
+__all__ = ["ShardingPlan", "STYLES", "sequence_parallel_plan", "Style", "Resolved", "Boundary", "auto_plan",
+           "resolve_styles", "resolve_sharding_plan", "spec_to_layout_fn", "check_heads", "path_matches"]

@@ -1,0 +1,420 @@
+"""The operator census: which torch ops a model hits through DTensor, which have rules, which are missing.
+
+It runs the requirement's flow on one process without torch.distributed: the model's inputs (and, in
+train mode, its parameters) become DTensors replicated on `Layout((4, 2), ("dp", "tp"))`, and the
+whole run happens inside `record_missing_ops()`, so ops without a rule are recorded (count and the
+model-code line that called them) and run locally instead of stopping the run at the first one.
+Each run is repeated with plain tensors, and the census says whether the results are equal, so a
+rule that is present but wrong shows up too.
+"""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..dispatch import registry
+from ..dispatch.registry import record_missing_ops
+from ..dtensor.dtensor import DTensor, distribute_tensor
+from ..layout.layout import Layout
+from .models import ModelCase, build_model, load_pretrained, model_names
+
+MODES = ("generate", "train")
+TOLERANCE = 1e-5
+
+
+def census_layout() -> Layout:
+    """The requirement's device matrix: 4 x 2 ranks named dp and tp (nothing is split in the census)."""
+    return Layout((4, 2), ("dp", "tp"))
+
+
+def replicated(t: torch.Tensor, layout: Layout | None = None) -> DTensor:
+    """`DTensor.from_local(t, Layout((4, 2), ("dp", "tp"))("None", ...))`, as the requirement writes it."""
+    layout = layout or census_layout()
+    return DTensor.from_local(t, layout(*(["None"] * t.ndim)))
+
+
+def to_dtensor_inputs(inputs: dict, wrap: Callable[[torch.Tensor], DTensor] = replicated) -> dict:
+    return {k: wrap(v) if isinstance(v, torch.Tensor) and type(v) is not DTensor else v for k, v in inputs.items()}
+
+
+def distribute_parameters(model: nn.Module, wrap: Callable[[torch.Tensor], DTensor] = replicated) -> nn.Module:
+    """Replace every parameter by an nn.Parameter holding a DTensor (tied parameters stay tied)."""
+    done: dict = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or type(p) is DTensor:
+                continue
+            new = done.get(id(p))
+            if new is None:
+                new = nn.Parameter(wrap(p.detach()), requires_grad=p.requires_grad)
+                done[id(p)] = new
+            module._parameters[name] = new
+    return model
+
+
+def full(t):
+    """A plain full tensor from a DTensor (or the tensor itself)."""
+    if type(t) is DTensor:
+        with torch.no_grad():
+            return t.full_tensor()
+    return t
+
+
+# ---- the report ------------------------------------------------------------------------------
+@dataclass
+class RunReport:
+    """One model in one mode."""
+
+    model: str
+    mode: str
+    ops: dict = field(default_factory=dict)          # op -> calls that reached the dispatcher
+    missing: dict = field(default_factory=dict)      # op -> calls without a rule
+    locations: dict = field(default_factory=dict)    # missing op -> first model-code line that called it
+    equal: bool | None = None                        # results equal to the plain-tensor run
+    detail: str = ""                                 # what was compared, or what differed
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def with_rules(self) -> list[str]:
+        return sorted(op for op in self.ops if op not in self.missing)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.missing and bool(self.equal)
+
+
+@dataclass
+class CensusReport:
+    runs: list = field(default_factory=list)
+
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(r.model for r in self.runs))
+
+    def model_ops(self, model: str) -> Counter:
+        c = Counter()
+        for r in self.runs:
+            if r.model == model:
+                c.update(r.ops)
+        return c
+
+    def model_missing(self, model: str) -> Counter:
+        c = Counter()
+        for r in self.runs:
+            if r.model == model:
+                c.update(r.missing)
+        return c
+
+    def union_ops(self) -> list[str]:
+        return sorted({op for r in self.runs for op in r.ops})
+
+    def union_missing(self) -> list[str]:
+        return sorted({op for r in self.runs for op in r.missing})
+
+    def locations(self) -> dict:
+        out: dict = {}
+        for r in self.runs:
+            for op, loc in r.locations.items():
+                out.setdefault(op, loc)
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.runs)
+
+    def to_dict(self) -> dict:
+        models = {}
+        for m in self.models():
+            ops, missing = self.model_ops(m), self.model_missing(m)
+            models[m] = {
+                "ops": dict(sorted(ops.items())),
+                "with_rules": sorted(op for op in ops if op not in missing),
+                "missing": dict(sorted(missing.items())),
+                "runs": {r.mode: {**{k: v for k, v in asdict(r).items() if k not in ("model", "mode")},
+                                  "with_rules": r.with_rules, "ok": r.ok}
+                         for r in self.runs if r.model == m},
+            }
+        union, miss = self.union_ops(), self.union_missing()
+        return {"models": models,
+                "union": {"ops": union, "with_rules": [o for o in union if o not in miss], "missing": miss,
+                          "locations": {op: loc for op, loc in self.locations().items() if op in miss}},
+                "ok": self.ok}
+
+    def op_listing(self) -> str:
+        """Every op each model hit: calls, and the rule class that handles it (or MISSING with the call site)."""
+        lines = []
+        locs = self.locations()
+        for m in self.models():
+            ops, missing = self.model_ops(m), self.model_missing(m)
+            lines.append(f"{m}: {len(ops)} ops, {len(missing)} missing")
+            for op in sorted(ops):
+                rule = registry.RULES.get(op)
+                where = f"MISSING  {locs.get(op, '?')}" if op in missing or rule is None else type(rule).__name__
+                lines.append(f"  {op:<52} {ops[op]:>6}  {where}")
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """The terminal table: one row per model and mode, then the de-duplicated union."""
+        head = f"{'model':<20} {'mode':<9} {'ops':>4} {'rules':>5} {'miss':>4}  {'equal':<5} {'time':>6}  note"
+        lines = [head, "-" * len(head)]
+        for r in self.runs:
+            note = r.error.splitlines()[-1][:60] if r.error else r.detail[:60]
+            eq = "-" if r.equal is None else ("yes" if r.equal else "NO")
+            lines.append(f"{r.model:<20} {r.mode:<9} {len(r.ops):>4} {len(r.with_rules):>5} {len(r.missing):>4}  "
+                         f"{eq:<5} {r.seconds:>5.1f}s  {note}")
+        models = self.models()
+        if len(models) > 1:
+            lines.append("-" * len(head))
+            for m in models:
+                ops, missing = self.model_ops(m), self.model_missing(m)
+                lines.append(f"{m:<20} {'all':<9} {len(ops):>4} {len(ops) - len(missing):>5} {len(missing):>4}")
+        union, miss = self.union_ops(), self.union_missing()
+        lines.append("-" * len(head))
+        lines.append(f"{'union':<20} {'':<9} {len(union):>4} {len(union) - len(miss):>5} {len(miss):>4}")
+        if miss:
+            lines.append("")
+            lines.append("missing ops (calls, first call site):")
+            locs = self.locations()
+            calls = Counter()
+            for r in self.runs:
+                calls.update(r.missing)
+            for op in miss:
+                lines.append(f"  {op:<48} {calls[op]:>6}  {locs.get(op, '?')}")
+        return "\n".join(lines)
+
+
+# ---- one run ---------------------------------------------------------------------------------
+def _tokens(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return full(out)
+    seq = getattr(out, "sequences", None)
+    if seq is None and isinstance(out, (tuple, list)):
+        seq = out[0]
+    return full(seq)
+
+
+def _generate(case: ModelCase, inputs: dict, max_new_tokens: int):
+    with torch.no_grad():
+        if not case.can_generate:  # an encoder (BERT): one forward, compare logits and predictions
+            return case.model(**inputs).logits
+        return case.model.generate(**inputs, **{case.max_tokens_arg: max_new_tokens}, **case.generate_kwargs)
+
+
+def _compare_generate(case: ModelCase, ref, out) -> tuple[bool, str]:
+    if not case.can_generate:
+        ref, out = full(ref), full(out)
+        diff = (ref - out).abs().max().item()
+        same = torch.equal(ref.argmax(-1), out.argmax(-1)) and diff <= TOLERANCE
+        return same, f"logits max diff {diff:.2e}"
+    ref, out = _tokens(ref), _tokens(out)
+    same = ref.shape == out.shape and torch.equal(ref, out)
+    return same, f"{out.shape[-1]} tokens {'identical' if same else 'DIFFER'}"
+
+
+def _train_module(case: ModelCase) -> nn.Module:
+    thinker = getattr(case.model, "thinker", None)  # the full Omni model trains through its thinker
+    return thinker if isinstance(thinker, nn.Module) else case.model
+
+
+def _train_step(model: nn.Module, inputs: dict, labels: dict):
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Adam's first step is lr * g / (|g| + eps): for |g| near eps a last-bit difference in g (a sum taken in
+    # another order across ranks) moves the update by up to lr * dg / eps, so eps is kept well above 1e-8
+    opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+    out = model(**inputs, **labels)
+    loss = out.loss
+    loss.backward()
+    grads = {n: (None if p.grad is None else full(p.grad).detach().clone()) for n, p in model.named_parameters()}
+    opt.step()
+    after = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    return full(loss).detach(), grads, after
+
+
+def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for k, x in a.items():
+        y = b.get(k)
+        if (x is None) != (y is None):
+            return float("inf"), f"{k}: gradient present in only one run"
+        if x is None:
+            continue
+        if x.shape != y.shape:
+            return float("inf"), f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
+        d = (x.float() - y.float()).abs().max().item() if x.numel() else 0.0
+        if d > worst:
+            worst, where = d, k
+    return worst, where
+
+
+def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_tokens: int,
+             wrap_input: Callable = replicated, wrap_param: Callable = replicated) -> RunReport:
+    report = RunReport(name, mode)
+    start = time.perf_counter()
+    try:
+        if mode == "generate":
+            case = build()
+            ref = _generate(case, case.inputs, max_new_tokens)
+            case = build()
+            inputs = to_dtensor_inputs(case.inputs, wrap_input)
+            with record_missing_ops() as rec:
+                out = _generate(case, inputs, max_new_tokens)
+            report.equal, report.detail = _compare_generate(case, ref, out)
+        elif mode == "train":
+            case = build()
+            ref_loss, ref_grads, ref_params = _train_step(_train_module(case), case.inputs, case.labels)
+            case = build()
+            module = distribute_parameters(_train_module(case), wrap_param)
+            inputs, labels = to_dtensor_inputs(case.inputs, wrap_input), to_dtensor_inputs(case.labels, wrap_input)
+            with record_missing_ops() as rec:
+                loss, grads, params = _train_step(module, inputs, labels)
+            dl = abs(float(ref_loss) - float(loss))
+            dg, wg = _max_diff(ref_grads, grads)
+            dp, wp = _max_diff(ref_params, params)
+            report.equal = max(dl, dg, dp) <= TOLERANCE
+            report.detail = f"loss {dl:.1e}, grads {dg:.1e}, params {dp:.1e}" + (
+                "" if report.equal else f" (worst: {wg if dg >= dp else wp})")
+        else:
+            raise ValueError(f"unknown census mode {mode!r}; use generate, train or all")
+        report.ops = dict(rec.seen)
+        report.missing = dict(rec.counts)
+        report.locations = dict(rec.locations)
+    except Exception:
+        report.error = traceback.format_exc()
+        report.equal = False
+        rec = locals().get("rec")
+        if rec is not None:
+            report.ops, report.missing, report.locations = dict(rec.seen), dict(rec.counts), dict(rec.locations)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _modes(mode: str) -> tuple:
+    if mode == "all":
+        return MODES
+    if mode not in MODES:
+        raise ValueError(f"unknown census mode {mode!r}; use generate, train or all")
+    return (mode,)
+
+
+def run_census(models: Iterable[str] | str = "all", mode: str = "all", *, max_new_tokens: int = 4,
+               model_paths: Iterable[str] = (), seed: int = 0,
+               progress: Callable[[str], None] | None = None) -> CensusReport:
+    """Run the census on built-in models (names or "all") and local checkpoints; returns the report.
+
+    `progress` receives one line per finished run (the CLI prints them as they come).
+    """
+    if isinstance(models, str):
+        models = [models]
+    names = []
+    for m in models:
+        names.extend(model_names() if m == "all" else [m])
+    jobs = [(n, (lambda n=n: build_model(n, seed))) for n in dict.fromkeys(names)]
+    for path in model_paths:
+        jobs.append((str(path), (lambda path=path: load_pretrained(path, seed))))
+    import transformers  # noqa: F401  (imported once here, so the first model's time is its own)
+    report = CensusReport()
+    modes = _modes(mode)
+    total = len(jobs) * len(modes)
+    i = 0
+    for name, build in jobs:
+        for md in modes:
+            i += 1
+            r = _run_one(name, md, build, max_new_tokens)
+            report.runs.append(r)
+            if progress is not None:
+                progress(_progress_line(i, total, r))
+    return report
+
+
+# ---- the batch split over local processes ----------------------------------------------------------
+def _split_worker(rank: int, world: int, port: int, names: list, modes: tuple, max_new_tokens: int, seed: int,
+                  queue) -> None:
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    mesh = Layout((world,), ("dp",))
+    split = lambda t: (distribute_tensor(t, mesh("dp", *(["None"] * (t.ndim - 1)))) if t.ndim  # noqa: E731
+                       else replicated(t, mesh))
+    repl = lambda t: replicated(t, mesh)  # noqa: E731
+    import transformers  # noqa: F401
+    try:
+        for name in names:
+            for md in modes:
+                r = _run_one(name, md, lambda: build_model(name, seed), max_new_tokens, split, repl)
+                if rank == 0:
+                    queue.put(asdict(r))
+    finally:
+        if rank == 0:
+            queue.put(None)
+        dist.destroy_process_group()
+
+
+def run_split_census(models: Iterable[str] | str = "all", mode: str = "all", *, world: int = 2,
+                     max_new_tokens: int = 4, seed: int = 0, timeout: float = 600.0,
+                     progress: Callable[[str], None] | None = None) -> CensusReport:
+    """The census with the batch split over `world` local gloo processes: inputs laid out ("dp", "None", ...),
+    parameters replicated. Results are compared with the single-process plain run (reported by rank 0)."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    import socket
+    if isinstance(models, str):
+        models = [models]
+    names = list(dict.fromkeys(n for m in models for n in (model_names() if m == "all" else [m])))
+    modes = _modes(mode)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_split_worker, args=(r, world, port, names, modes, max_new_tokens, seed, q),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    report = CensusReport()
+    total = len(names) * len(modes)
+    try:
+        while True:
+            item = q.get(timeout=timeout)
+            if item is None:
+                break
+            r = RunReport(**{k: v for k, v in item.items()})
+            report.runs.append(r)
+            if progress is not None:
+                progress(_progress_line(len(report.runs), total, r))
+    except queue_mod.Empty:
+        report.runs.append(RunReport("?", "?", error=f"no result within {timeout}s: a rank hung", equal=False))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return report
+
+
+def _progress_line(i: int, total: int, r: RunReport) -> str:
+    status = "ERROR" if r.error else ("ok" if r.ok else "incomplete")
+    why = r.detail or " ".join((r.error or "").strip().splitlines()[-1:])
+    return (f"[{i}/{total}] {r.model} {r.mode}: {len(r.ops)} ops, {len(r.missing)} missing, equal={r.equal} "
+            f"({why[:160]}) {r.seconds:.1f}s {status}")
+
+
+def write_json(report: CensusReport, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report.to_dict(), f, indent=2, default=str)
+
+
+__all__ = ["run_census", "run_split_census", "CensusReport", "RunReport", "distribute_parameters", "to_dtensor_inputs", "replicated",
+           "census_layout", "write_json"]

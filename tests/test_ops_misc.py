@@ -1,0 +1,106 @@
+"""Rules of ops/misc.py and the pointwise ops appended to elementwise.yaml, on split and partial inputs
+(2 gloo ranks, and a 2x2 mesh on 4), against plain tensors."""
+import torch
+import torch.nn.functional as F
+
+import hyper_parallel as hp
+from tests.op_check import run_cases, specs_for
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)
+    x = r(4, 6, 5)
+    img = r(4, 3, 6, 6)
+    w = r(4, 3, 3, 3)
+    b = r(4)
+    no_partial = lambda nd: (lambda mesh: specs_for(mesh, nd, partial=False))
+    return [
+        ("compare and logic", lambda t: ((t > 0) & (t < 1)) | ~(t >= -0.5), [x], None, False),
+        ("eq ne", lambda t: (t.round() == 0) ^ (t.round() != 1), [x], None, False),
+        ("floordiv mod", lambda t: (t * 4).floor() // 3 + (t * 4).floor() % 3, [x], None, False),
+        ("cos sin clamp", lambda t: t.cos() * t.sin() + t.clamp(-0.5, 0.5) + t.clamp_min(0), [x], None, True),
+        ("casts", lambda t: (t * 3).long().float() + (t > 0).int().float(), [x], None, True),
+        ("new_zeros / new_full", lambda t: (t.new_zeros(2, 3), t.new_full((3,), 2.0), t.new_ones(2)), [x], None, False),
+        ("full_like", lambda t: torch.full_like(t, 3.0) + t, [x], None, True),
+        ("empty_like shape", lambda t: torch.empty_like(t).zero_() + t, [x], None, True),
+        ("pad", lambda t: F.pad(t, (1, 2)), [x], None, True),
+        ("pad 2 dims", lambda t: F.pad(t, (1, 1, 0, 2), value=1.0), [x], None, True),
+        ("interpolate", lambda t: F.interpolate(t, scale_factor=2.0, mode="nearest"), [x], None, True),
+        ("triu", lambda t: torch.triu(t, 1) + t.tril(), [x], None, True),
+        ("histc", lambda t: torch.histc(t, bins=4, min=-1, max=1), [x], [no_partial(3)], False),
+        ("conv2d", lambda t, wt, bs: F.conv2d(t, wt, bs, padding=1),
+         [img, w, b], [no_partial(4), lambda m: [(("None",) * 4, None)], lambda m: [(("None",), None)]], True),
+        ("conv2d weight split", lambda t, wt, bs: F.conv2d(t, wt, bs),
+         [img, w, b], [lambda m: [(("None",) * 4, None)], no_partial(4), no_partial(1)], True),
+        ("masked_scatter", lambda t: t.masked_scatter(t > 0, torch.arange(120.0).view(4, 6, 5)), [x], None, True),
+        ("dropout eval", lambda t: F.dropout(t, 0.5, training=False), [x], None, True),
+        ("bool index int", lambda t: (bool(t > -1e9), int(t * 0 + 2), [0, 1, 2][(t * 0 + 1).long()], float(t * 0)),
+         [r(())], None, False),
+    ]
+
+
+def _run(rank, world):
+    return run_cases(_cases(), world)
+
+
+def _random_and_foreach(rank, world):
+    failures = []
+    mesh = hp.Layout((world,), ("tp",))
+    x = torch.randn(6, 4)
+    for entries in (("tp", "None"), ("None", "tp"), ("None", "None")):
+        dx = hp.distribute_tensor(x, mesh(*entries))
+        if not torch.equal(F.dropout(dx, 0.0, training=True).full_tensor(), x):  # p is part of the decision
+            failures.append(f"dropout p=0 {entries}")
+        torch.manual_seed(5)
+        ref = F.dropout(x, 0.3, training=True)
+        torch.manual_seed(5)
+        out = F.dropout(dx, 0.3, training=True)
+        if not torch.equal(out.full_tensor(), ref):
+            failures.append(f"dropout {entries}")
+        torch.manual_seed(6)
+        ref = torch.rand_like(x)
+        torch.manual_seed(6)
+        out = torch.rand_like(dx)
+        if not torch.equal(out.full_tensor(), ref) or out.dist_layout is not dx.dist_layout:
+            failures.append(f"rand_like {entries}")
+        y = hp.distribute_tensor(torch.zeros(6, 4), mesh(*entries))
+        torch.manual_seed(7)
+        ref = torch.zeros(6, 4).uniform_()
+        torch.manual_seed(7)
+        y.uniform_()
+        if not torch.equal(y.full_tensor(), ref):
+            failures.append(f"uniform_ {entries}")
+    # the multi-tensor AdamW path on parameters split over tp: states keep the parameters' layouts
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 6)
+    model = torch.nn.Linear(4, 6)
+    model.load_state_dict(ref.state_dict())
+    model.weight = torch.nn.Parameter(hp.distribute_tensor(ref.weight.detach(), mesh("tp", "None")))
+    model.bias = torch.nn.Parameter(hp.distribute_tensor(ref.bias.detach(), mesh("tp")))
+    inp = torch.randn(3, 4)
+    for m, i in ((ref, inp), (model, hp.distribute_tensor(inp, mesh("None", "None")))):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+        for _ in range(2):
+            out = m(i)
+            (out * out).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for name in ("weight", "bias"):
+        p = getattr(model, name)
+        if p.dist_layout is not opt.state[p]["exp_avg"].dist_layout:
+            failures.append(f"adamw foreach state layout {name}")
+        if not torch.allclose(p.full_tensor(), getattr(ref, name), atol=1e-6):
+            failures.append(f"adamw foreach {name}")
+    return failures
+
+
+def test_misc_ops(dist2, dist4):
+    for pool in (dist2, dist4):
+        failures = [f for per_rank in pool.run(_run) for f in per_rank]
+        assert not failures, "\n".join(failures[:10])
+
+
+def test_random_ops_and_foreach(dist2):
+    failures = [f for per_rank in dist2.run(_random_and_foreach) for f in per_rank]
+    assert not failures, failures
