@@ -22,3 +22,20 @@ def _linear_colwise(rank, world):
 
 def test_smoke(dist2):
     assert dist2.run(_linear_colwise) == [True, True]
+
+
+def _plain_grad_in_split_op(rank, world):
+    L = hp.Layout((world,), ("tp",))
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(3, 8), torch.randn(6, 8)
+    x = x0.clone().requires_grad_()
+    w = hp.distribute_tensor(w0, L("tp", "None"))
+    torch.nn.functional.linear(x, w).full_tensor().sum().backward()
+    ref = x0.clone().requires_grad_()
+    torch.nn.functional.linear(ref, w0).sum().backward()
+    assert torch.allclose(x.grad, ref.grad, atol=1e-5), (x.grad, ref.grad)
+    return True
+
+
+def test_plain_tensor_gradient_is_reduced(dist2):
+    dist2.run(_plain_grad_in_split_op)

@@ -299,6 +299,10 @@ def _dispatch(func, args, kwargs):
                 locs.append(t._local)
             else:
                 locs.append(redistribute_local(t._local, t._layout, target, t._shape))
+        elif grad and t.requires_grad:
+            # a plain tensor is a replicated value: its gradient must be reduced like a DTensor's
+            rep = replicate_layout(mesh, t.ndim)
+            locs.append(Unwrap.apply(Wrap.apply(t, rep, tuple(t.shape)), target, glay, False))
         elif target.is_replicate:
             locs.append(t)
         else:

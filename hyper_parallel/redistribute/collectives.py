@@ -63,7 +63,7 @@ def all_gather(t: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tens
     dist.all_gather_single(out, src, group=group)
     if any(s != top for s in sizes):
         out = torch.cat([c[:s] for c, s in zip(out.chunk(parts), sizes)])
-    return out.movedim(0, dim) if dim else out
+    return out.movedim(0, dim).contiguous() if dim else out  # model code may .view() the result
 
 
 def reduce_scatter(t: torch.Tensor, dim: int, op: str, group, sizes: list[int], index: int) -> torch.Tensor:
