@@ -4,6 +4,8 @@ from .dispatch.registry import load_builtin_rules as _load_builtin_rules
 from .dtensor import DTensor, distribute_tensor
 from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, init_device_mesh
 from .redistribute import comm_counter
+from .parallel.shard import ShardingPlan, init_parameters, load_sharded, shard, shard_module
+from .parallel.hsdp import hsdp
 
 _load_builtin_rules()
 
@@ -11,4 +13,6 @@ __all__ = [
     "DTensor", "Layout", "DeviceMesh", "init_device_mesh", "Shard", "Replicate", "Partial", "Placement",
     "distribute_tensor", "comm_counter", "MissingOpError", "record_missing_ops", "register_ops",
 ]
+__all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
+__all__ += ["hsdp"]
 __version__ = "0.1.0"

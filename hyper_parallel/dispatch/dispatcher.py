@@ -19,6 +19,7 @@ from .call import OpCall, Strategy, TensorSpec
 _DisableTF = torch._C.DisableTorchFunctionSubclass
 _is_grad_enabled = torch.is_grad_enabled
 _UNSET = object()
+_NO_KWARGS: dict = {}  # shared, never mutated
 _RULE_OF: dict = {}    # func -> (name, rule or None, inplace)
 _CACHE: dict = {}      # call key -> Decision
 STATS = {"hits": 0, "misses": 0, "replicated": 0}
@@ -154,7 +155,9 @@ def _out_shapes(func, args, kwargs):
 def _decide(func, name, rule, inplace, args, kwargs, leaves, mesh) -> Decision:
     specs = [TensorSpec(t._layout, t._shape, t.dtype, True) if type(t) is DTensor
              else TensorSpec(replicate_layout(mesh, t.ndim), tuple(t.shape), t.dtype, False) for t in leaves]
-    out_shapes = _out_shapes(func, args, kwargs)
+    out_shapes = rule.output_shapes(specs)
+    if out_shapes is None:
+        out_shapes = _out_shapes(func, args, kwargs)
     call = OpCall(func, name, args, kwargs, specs, mesh, out_shapes, inplace)
     strat: Strategy = rule.strategy(call)
     ins = strat.in_layouts
@@ -227,11 +230,10 @@ def _finish_inplace(target, local_out, grad):
 
 
 def torch_function(cls, func, types, args=(), kwargs=None):
-    if func in _PASSTHROUGH:
-        with _DisableTF():
-            return func(*args, **(kwargs or {}))
     with _DisableTF():
-        return _dispatch(func, args, kwargs or {})
+        if func in _PASSTHROUGH:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return _dispatch(func, args, kwargs or _NO_KWARGS)
 
 
 def _dispatch(func, args, kwargs):
@@ -240,9 +242,17 @@ def _dispatch(func, args, kwargs):
         entry = _resolve(func)
     name, rule, inplace = entry
     leaves = []
-    _collect(args, leaves)
-    if kwargs:
-        _collect(kwargs.values(), leaves)
+    flat = not kwargs
+    for a in args:  # the common case: tensors directly among the positional args
+        if isinstance(a, Tensor):
+            leaves.append(a)
+        elif type(a) is list or type(a) is tuple:
+            flat = False
+    if not flat:
+        leaves = []
+        _collect(args, leaves)
+        if kwargs:
+            _collect(kwargs.values(), leaves)
     mesh = None
     replicated = True
     for t in leaves:
@@ -261,10 +271,23 @@ def _dispatch(func, args, kwargs):
         return _missing(func, name, inplace, args, kwargs, leaves, mesh)
     if mesh is None:  # only reachable through odd paths (e.g. a DTensor nested deeper than we scan)
         raise RuntimeError(f"{name}: no DTensor found among the arguments that reached hyper_parallel")
-    grad = _is_grad_enabled() and any(t.requires_grad for t in leaves)
+    grad = False
+    if _is_grad_enabled():
+        for t in leaves:
+            if t.requires_grad:
+                grad = True
+                break
 
     if replicated and rule.replicated_local:
         STATS["replicated"] += 1
+        if not grad and flat and not inplace:  # the hottest path: no autograd, no structure
+            out = func(*[a._local if type(a) is DTensor else a for a in args])
+            if type(out) is Tensor:
+                for a in args:
+                    if type(a) is DTensor and a._local is out:
+                        return a
+                return make_dtensor(out, replicate_layout(mesh, out.ndim), tuple(out.shape))
+            return _wrap_replicated(out, mesh, False)
         if grad:
             locs = [Unwrap.apply(t, t._layout, t._layout, t.grad_fn is None) if type(t) is DTensor and t.requires_grad
                     else (t._local if type(t) is DTensor else t) for t in leaves]

@@ -22,6 +22,10 @@ class Rule:
         for k, v in options.items():
             setattr(self, k, v)
 
+    def output_shapes(self, inputs: list) -> list | None:
+        """Global output shapes if the family knows them cheaply; None runs the op on meta tensors."""
+        return None
+
     def strategy(self, call: OpCall) -> Strategy:
         raise NotImplementedError
 

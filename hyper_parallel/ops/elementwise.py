@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numbers
 
+import torch
+
 from .base import Partial, Replicate, Shard, Signature, SignatureRule, REPLICATE
 
 _P = Partial("sum")
@@ -17,6 +19,14 @@ class Elementwise(SignatureRule):
     """
 
     linear = None
+
+    def output_shapes(self, inputs):
+        # pointwise: the broadcast of the tensor inputs (meta kernels of pointwise ops are slow Python refs)
+        if not inputs:
+            return None
+        if self.name.endswith((".to", ".type_as", "_")) or self.name.startswith("torch.Tensor.__i"):
+            return [tuple(inputs[0].shape)]  # casts and in-place ops keep the first tensor's shape
+        return [tuple(torch.broadcast_shapes(*[s.shape for s in inputs]))]
 
     def signatures(self, call):
         out_shapes = call.out_shapes

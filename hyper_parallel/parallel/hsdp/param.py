@@ -1,0 +1,178 @@
+"""One parameter under hsdp: the sharded DTensor the optimizer updates, and the unsharded tensor compute uses.
+
+Every parameter has two faces:
+- `sparam`, an `nn.Parameter` DTensor on the storage mesh, registered in the module outside forward:
+  what `model.parameters()`, the optimizer, `state_dict()` and `full_tensor()` see. A sharded
+  parameter is `Shard(0)` on the dp shard axis (torch.chunk pieces of this rank's tp-local rows).
+- `compute`, an `nn.Parameter` (plain, or a DTensor with the parameter's original tp layout) swapped
+  into the module for its forward. It is a view of `buffer`, a flat tensor holding every shard's rows,
+  each padded to the same length, so one all-gather fills it and no copy-out is needed.
+
+Per level (`buffer` is the unsharded parameter):
+- level1/level2: `buffer` stays allocated; the shard is a *view* of this rank's rows of it, so the
+  optimizer updates those rows in place and the next forward all-gathers the other ranks' rows
+  (only when the shard changed: its version counter says so). Memory: full params, sharded state.
+- level3: the shard owns its memory; `buffer`'s storage is allocated and all-gathered before a
+  module's forward and backward and resized to zero after (as FSDP2 does). Autograd saved the very
+  tensors that alias `buffer`, so refilling the storage is seen by backward; the version counter is
+  preserved across the refill so autograd does not mistake it for an in-place edit.
+Parameters below the size threshold (and 0-d ones) are not sharded: `sparam` is replicated on dp and
+shares memory with `compute`; their gradients are all-reduced.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from ...dtensor.dtensor import DTensor, make_dtensor
+from .topology import Topology
+
+
+class HsdpParam:
+    """The two faces of one parameter and the arithmetic of its padded shards."""
+
+    def __init__(self, fqn: str, param: nn.Parameter, registrations: list, topo: Topology, level: int,
+                 threshold_bytes: float):
+        self.fqn = fqn
+        self.registrations = registrations  # every (module, name) the parameter is registered under (tied)
+        self.requires_grad = param.requires_grad
+        is_dt = type(param) is DTensor
+        self.compute_layout = param._layout if is_dt else None
+        self.global_shape = tuple(param.shape)
+        local = (param._local if is_dt else param).detach()
+        self.local_shape = tuple(local.shape)
+        self.dtype = local.dtype
+        self.level = level
+        nbytes = local.numel() * local.element_size()
+        self.sharded = local.ndim > 0 and local.numel() > 0 and nbytes >= threshold_bytes and topo.shard_size > 1
+        S = topo.shard_size if self.sharded else 1
+        self.parts = S
+        rows = self.local_shape[0] if local.ndim else 1
+        self.rows = rows
+        self.row = math.prod(self.local_shape[1:]) if local.ndim else 1
+        self.step = -(-rows // S)  # torch.chunk piece length (the padded length of every shard)
+        r = topo.shard_rank if self.sharded else 0
+        self.offset = min(r * self.step, rows)
+        self.length = max(0, min(self.step, rows - self.offset))
+        self.layout = topo.storage_layout(self.compute_layout, local.ndim, self.sharded)
+        if self.sharded:
+            self.buffer = local.new_empty(S * self.step * self.row)
+            self.full = self.buffer[: rows * self.row].view(self.local_shape)
+            shard_rows = local.reshape(rows, self.row)[self.offset: self.offset + self.length]
+            with torch.no_grad():
+                self.full.copy_(local)
+            if level == 3:
+                shard = shard_rows.reshape((self.length,) + self.local_shape[1:]).clone()
+            else:
+                shard = self._buffer_rows()
+            self.gathered = True
+        else:
+            self.buffer = local.reshape(-1) if local.is_contiguous() else local.contiguous().reshape(-1)
+            self.full = self.buffer.view(self.local_shape)
+            shard = self.full
+            self.gathered = True
+        self.sparam = nn.Parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
+        c = make_dtensor(self.full, self.compute_layout, self.global_shape) if is_dt else self.full
+        self.compute = nn.Parameter(c, self.requires_grad)
+        self.version = self._shard_version()
+        self.free()
+
+    # ---- the shard ----------------------------------------------------------------------
+    def _buffer_rows(self) -> torch.Tensor:
+        return self.buffer[self.offset * self.row: (self.offset + self.length) * self.row].view(
+            (self.length,) + self.local_shape[1:])
+
+    def _shard_version(self):
+        return (id(self.sparam._local), self.sparam._local._version)
+
+    def needs_gather(self) -> bool:
+        """level3: whenever not gathered; level1/2: when the shard changed since the last gather."""
+        if not self.sharded:
+            return False
+        if self.level == 3:
+            return not self.gathered
+        return self._shard_version() != self.version
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's shard, flat and padded to `step` rows (a copy: in level1/2 it aliases `buffer`)."""
+        local = self.sparam._local
+        if self.level != 3 and not _aliases(local, self.buffer):
+            # the optimizer or a load replaced the local tensor: make the buffer rows the shard again
+            with torch.no_grad():
+                self._buffer_rows().copy_(local)
+            self.sparam._local = self._buffer_rows()
+            local = self.sparam._local
+        flat = local.reshape(-1)
+        if self.length == self.step and self.level == 3:
+            return flat.contiguous()
+        out = flat.new_zeros(self.step * self.row)
+        out[: self.length * self.row].copy_(flat)
+        return out
+
+    def alloc(self) -> None:
+        storage = self.buffer.untyped_storage()
+        want = self.buffer.numel() * self.buffer.element_size()
+        if storage.nbytes() != want:
+            storage.resize_(want)
+
+    def mark_gathered(self) -> None:
+        self.gathered = True
+        self.version = self._shard_version()
+
+    def free(self) -> None:
+        """level3: drop the unsharded storage (autograd's saved aliases keep their metadata, not memory)."""
+        if self.sharded and self.level == 3 and self.gathered:
+            self.buffer.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def keep_version(self):
+        """Writes into `buffer` that autograd must not count as in-place edits of saved tensors."""
+        if self.sharded:
+            return torch.autograd._unsafe_preserve_version_counter(self.buffer)
+        return contextlib.nullcontext()
+
+    # ---- gradients ----------------------------------------------------------------------
+    def take_grad(self) -> torch.Tensor | None:
+        """Detach the accumulated unsharded gradient from the compute parameter (local tensor, or None)."""
+        g = self.compute.grad
+        if g is None:
+            return None
+        self.compute.grad = None
+        return g._local if type(g) is DTensor else g
+
+    def padded_grad(self, g: torch.Tensor | None, dtype) -> torch.Tensor:
+        """The gradient flat, padded to `parts * step` rows, in the reduction dtype (zeros if unused)."""
+        n = self.parts * self.step * self.row
+        if g is None:
+            return torch.zeros(n, dtype=dtype, device=self.buffer.device)
+        flat = g.reshape(-1)
+        if flat.numel() == n:
+            return flat.to(dtype).contiguous()
+        out = torch.zeros(n, dtype=dtype, device=flat.device)
+        out[: flat.numel()].copy_(flat)
+        return out
+
+    def set_grad(self, shard_grad: torch.Tensor) -> None:
+        """Give the sharded parameter its gradient, accumulating as torch does for `.grad`."""
+        shard_grad = shard_grad.view(self.sparam._local.shape)
+        if shard_grad.dtype != self.dtype:
+            shard_grad = shard_grad.to(self.dtype)
+        g = self.sparam.grad
+        if g is None:
+            self.sparam.grad = make_dtensor(shard_grad, self.layout, self.global_shape)
+        else:
+            with torch.no_grad():
+                g._local.add_(shard_grad)
+
+    # ---- module registration ------------------------------------------------------------
+    def install(self, which: nn.Parameter) -> None:
+        for module, name in self.registrations:
+            module._parameters[name] = which
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() == sb.data_ptr() and sa.nbytes() > 0

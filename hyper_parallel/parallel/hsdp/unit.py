@@ -1,0 +1,257 @@
+"""Module units and their hooks: when parameters are gathered, swapped in, freed, and reduced.
+
+A *unit* is a module whose parameters are gathered together (FSDP2's `fully_shard` module): each
+module named in the model's `_no_split_modules` (Hugging Face decoder layers), otherwise each module
+that owns parameters directly, plus the root for whatever is left (embeddings, final norm, head, and
+any parameter shared between units, such as tied embeddings).
+
+Per unit and step:
+1. pre-forward: gather (level3 always; level1/2 when the optimizer changed the shard), swap the
+   compute parameters into the module, and with `comm_async` start the next unit's gather;
+2. post-forward: swap the sharded parameters back (so `model.parameters()` is always the sharded
+   view), free (level3, not the root) and hook the outputs so their gradient triggers the re-gather;
+3. backward: the outputs' hook gathers again (and prefetches the unit before it); each compute
+   parameter's post-accumulate-grad hook counts down, and when the unit's gradients are all there
+   they are reduced (or, during accumulation without sync, left to accumulate) and level3 frees;
+4. end of backward (an autograd engine callback queued by the first hook of the pass): reduce
+   units that did not complete (unused parameters contribute zeros, so every rank issues the same
+   collectives), finish async reductions, free what is still gathered.
+Every rank must run the same units in the same order, as with FSDP2.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from .reduce import Reducer, make_buckets
+
+
+class Unit:
+    """One module's parameters gathered and reduced together."""
+
+    def __init__(self, module: torch.nn.Module, params: list, state: "HsdpState", is_root: bool):
+        self.module = module
+        self.params = params
+        self.state = state
+        self.is_root = is_root
+        self.grad_params = [p for p in params if p.requires_grad]
+        self.has_frozen = any(not p.requires_grad for p in params)
+        self.reduce_buckets = make_buckets(params, state.level, state.fusion, state.bucket_bytes)
+        self.gather_buckets = _gather_buckets([p for p in params if p.sharded], state.fusion, state.bucket_bytes)
+        self.seen = 0
+        self.reduced = False
+        self.inflight = None  # (works, finishes, buffers, versions) of an issued gather
+        for p in self.grad_params:
+            p.compute.register_post_accumulate_grad_hook(self._on_grad)
+        self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True),
+                        module.register_forward_hook(self._post_forward)]
+
+    # ---- gathering ----------------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Issue the all-gathers this unit needs (asynchronously when comm_async)."""
+        if self.inflight is not None:
+            return
+        todo = [b for b in self.gather_buckets if any(p.needs_gather() for p in b)]
+        if not todo:
+            return
+        group = self.state.topo.gather_group
+        async_op = self.state.comm_async
+        buffers = tuple(p.buffer for b in todo for p in b)
+        versions = tuple(t._version for t in buffers)
+        works, finishes = [], []
+        for bucket in todo:
+            work, finish = _gather(bucket, group, async_op)
+            works.append(work)
+            finishes.append(finish)
+        self.inflight = (works, finishes, buffers, versions)
+
+    def gather(self) -> None:
+        self.start_gather()
+        if self.inflight is None:
+            return
+        works, finishes, buffers, versions = self.inflight
+        self.inflight = None
+        for w in works:
+            if w is not None:
+                w.wait()
+        # Refilling a buffer is not an in-place edit of what autograd saved from it. c10d bumps the
+        # version of an async output when any wait runs, so restore the versions seen at issue time.
+        torch._C._autograd._unsafe_set_version_counter(buffers, versions)
+        for f in finishes:
+            f()
+
+    def free(self) -> None:
+        if self.inflight is not None:
+            self.gather()
+        for p in self.params:
+            p.free()
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _pre_forward(self, module, args):
+        state = self.state
+        if self.is_root:
+            state.begin_forward()
+        state.order.append(self)
+        self.gather()
+        for p in self.params:
+            p.install(p.compute)
+        if state.comm_async:
+            nxt = state.next_in_forward(self)
+            if nxt is not None:
+                nxt.start_gather()
+        return None
+
+    def _post_forward(self, module, args, output):
+        state = self.state
+        for p in self.params:
+            p.install(p.sparam)
+        grad = torch.is_grad_enabled()
+        if state.level == 3 and (not self.is_root or not grad):
+            self.free()
+        if grad:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad):
+        state = self.state
+        state.backward_started()
+        if state.level == 3:
+            with torch.no_grad():
+                self.gather()
+            if state.comm_async:
+                prev = state.prev_in_forward(self)
+                if prev is not None:
+                    prev.start_gather()
+        return grad
+
+    def _on_grad(self, param) -> None:
+        self.seen += 1
+        if self.seen == len(self.grad_params):
+            self.finish_backward()
+
+    def finish_backward(self) -> None:
+        """All gradients of this unit are in: reduce them (when syncing) and free the parameters."""
+        state = self.state
+        if state.level == 3 and not self.has_frozen:
+            self.free()  # every use of the parameters in backward is done once all their gradients are
+        if state.sync and not self.reduced and self.grad_params:
+            self.reduced = True
+            with torch.no_grad():
+                for bucket in self.reduce_buckets:
+                    state.reducer.reduce(bucket)
+
+
+def _gather_buckets(params: list, fusion: bool, bucket_bytes: float) -> list:
+    buckets: list = []
+    for p in params:
+        nbytes = p.buffer.numel() * p.buffer.element_size()
+        last = buckets[-1] if buckets else None
+        if (fusion and last and last[0].dtype == p.dtype
+                and (bucket_bytes <= 0 or sum(q.buffer.numel() * q.buffer.element_size() for q in last) + nbytes
+                     <= bucket_bytes)):
+            last.append(p)
+        else:
+            buckets.append([p])
+    return buckets
+
+
+def _gather(bucket: list, group, async_op: bool):
+    """All-gather the shards of `bucket` into their buffers: (work or None, finish callback)."""
+    for p in bucket:
+        p.alloc()
+    S = bucket[0].parts
+    if len(bucket) == 1:
+        p = bucket[0]
+        inp = p.gather_input()
+        with p.keep_version():
+            work = dist.all_gather_single(p.buffer, inp, group=group, async_op=async_op)
+
+        def finish():
+            p.mark_gathered()
+        return work, finish
+    sizes = [p.step * p.row for p in bucket]
+    inp = torch.cat([p.gather_input() for p in bucket])
+    out = inp.new_empty(S * inp.numel())
+    work = dist.all_gather_single(out, inp, group=group, async_op=async_op)
+
+    def finish():
+        rows = out.view(S, -1)
+        o = 0
+        for p, n in zip(bucket, sizes):
+            with p.keep_version(), torch.no_grad():
+                p.buffer.view(S, n).copy_(rows[:, o:o + n])
+            p.mark_gathered()
+            o += n
+    return work, finish
+
+
+class HsdpState:
+    """What the units of one model share: settings, the reducer, the forward order, sync flag."""
+
+    def __init__(self, topo, level: int, fusion: bool, bucket_bytes: float, comm_async: bool,
+                 reduce_dtype, grad_scale: float, grad_accumulation: bool):
+        self.topo = topo
+        self.level = level
+        self.fusion = fusion
+        self.bucket_bytes = bucket_bytes
+        self.comm_async = comm_async
+        self.grad_accumulation = grad_accumulation
+        self.reducer = Reducer(topo, reduce_dtype, grad_scale, comm_async)
+        self.sync = True
+        self.units: list = []
+        self.params: list = []
+        self.order: list = []
+        self.last_order: list = []
+        self._callback_queued = False
+
+    # ---- forward order (prefetch targets) -------------------------------------------------
+    def begin_forward(self) -> None:
+        if self.order:
+            self.last_order = self.order
+        self.order = []
+        if self.level == 3:
+            for u in self.units:  # nothing stays gathered across steps (a forward without backward)
+                u.free()
+        if self.level != 3 and self.comm_async:
+            for u in self.units:  # level1/2: refresh every changed shard in the background at once
+                u.start_gather()
+
+    def next_in_forward(self, unit):
+        order = self.last_order
+        for i, u in enumerate(order[:-1]):
+            if u is unit and order[i + 1].params and not order[i + 1].is_root:
+                return order[i + 1]
+        return None
+
+    def prev_in_forward(self, unit):
+        order = self.order
+        for i in range(len(order) - 1, 0, -1):
+            if order[i] is unit:
+                return order[i - 1]
+        return None
+
+    # ---- backward ------------------------------------------------------------------------
+    def backward_started(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def end_backward(self) -> None:
+        """Reduce what did not complete, in a fixed order (the same on every rank), and clean up."""
+        self._callback_queued = False
+        ordered = []
+        for u in list(reversed(self.order)) + self.units:
+            if u not in ordered:
+                ordered.append(u)
+        for u in ordered:
+            if self.sync and u.grad_params and not u.reduced:
+                u.finish_backward()
+        self.reducer.flush()
+        for u in self.units:
+            u.seen = 0
+            u.reduced = False
+            if self.level == 3:
+                u.free()
