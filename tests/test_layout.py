@@ -140,3 +140,14 @@ def test_replicated_autograd_and_optimizer():
     opt = torch.optim.SGD([w], lr=0.1)
     opt.step()
     assert torch.allclose(w.to_local(), w0 - 0.1 * ref_w.grad)
+
+
+def test_generate_without_attention_mask():
+    """generate() builds the mask itself (torch.isin on the ids): the requirement's flow with ids only."""
+    from hyper_parallel.tools.models import build_model
+    case = build_model("llama", seed=0)
+    ids = case.inputs["input_ids"]
+    want = case.model.generate(ids, max_new_tokens=3, do_sample=False)
+    L = Layout((4, 2), ("dp", "tp"))
+    got = case.model.generate(DTensor.from_local(ids, L("None", "None")), max_new_tokens=3, do_sample=False)
+    assert torch.equal(got.to_local(), want)

@@ -242,12 +242,16 @@ def _dispatch(func, args, kwargs):
         entry = _resolve(func)
     name, rule, inplace = entry
     leaves = []
-    flat = not kwargs
-    for a in args:  # the common case: tensors directly among the positional args
+    flat = True  # tensors only directly among positional args: the hot path can skip rebuilding structure
+    for a in args:
         if isinstance(a, Tensor):
             leaves.append(a)
         elif type(a) is list or type(a) is tuple:
             flat = False
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, Tensor) or type(v) is list or type(v) is tuple:
+                flat = False
     if not flat:
         leaves = []
         _collect(args, leaves)
@@ -281,7 +285,7 @@ def _dispatch(func, args, kwargs):
     if replicated and rule.replicated_local:
         STATS["replicated"] += 1
         if not grad and flat and not inplace:  # the hottest path: no autograd, no structure
-            out = func(*[a._local if type(a) is DTensor else a for a in args])
+            out = func(*[a._local if type(a) is DTensor else a for a in args], **kwargs)
             if type(out) is Tensor:
                 for a in args:
                     if type(a) is DTensor and a._local is out:

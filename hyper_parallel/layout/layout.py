@@ -238,4 +238,7 @@ class PlacementLayout:
 
 def replicate_layout(mesh: DeviceMesh, ndim: int) -> Layout:
     """The fully replicated layout of a rank-`ndim` tensor on `mesh` (plain tensors mixed into ops)."""
-    return _intern(mesh, ((),) * ndim, (None,) * mesh.ndim)
+    layout = mesh.replicated_layouts.get(ndim)  # on the hot path: one dict lookup
+    if layout is None:
+        layout = mesh.replicated_layouts[ndim] = _intern(mesh, ((),) * ndim, (None,) * mesh.ndim)
+    return layout

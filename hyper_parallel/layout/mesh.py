@@ -58,6 +58,7 @@ class DeviceMesh:
         self.mesh = ranks
         self._axis_of = {n: i for i, n in enumerate(names)}
         self._submeshes: dict = {}
+        self.replicated_layouts: dict = {}  # ndim -> Layout, filled by layout.replicate_layout
         self.distributed = ensure_process_group()
         if self.distributed:
             world, me = dist.get_world_size(), dist.get_rank()

@@ -209,6 +209,16 @@ class Conv(SignatureRule):
         return sigs
 
 
+class FirstOperand(SignatureRule):
+    """`torch.isin(x, set)`, `torch.bucketize(x, boundaries)`: pointwise in `x` only; the other operand is a
+    lookup table every rank needs whole."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        n = len(call.inputs)
+        return [Signature([Shard(d)], [Shard(d)] + [REPLICATE] * (n - 1))
+                for d in range(call.inputs[0].ndim) if call.inputs[0].shape[d] > 1]
+
+
 class Pad(SignatureRule):
     """F.pad: dims that are not padded may stay split; a constant zero pad keeps pending sums."""
 
