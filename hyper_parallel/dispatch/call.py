@@ -69,6 +69,7 @@ class Strategy:
     """
 
     __slots__ = ("in_layouts", "out_layouts", "local_fn", "grad_layouts")
+    REPLICATED = "replicated"  # as out_layouts: every output replicated, whatever their number and rank
 
     def __init__(self, in_layouts, out_layouts, local_fn=None, grad_layouts=None):
         self.in_layouts = list(in_layouts)

@@ -164,6 +164,8 @@ def _decide(func, name, rule, inplace, args, kwargs, leaves, mesh) -> Decision:
     if len(ins) != len(specs):
         raise RuntimeError(f"rule {type(rule).__name__} for {name} gave {len(ins)} input layouts for {len(specs)} inputs")
     outs = strat.out_layouts
+    if outs is Strategy.REPLICATED:  # every output replicated: global shape = local shape, no meta needed
+        return Decision(ins, strat.grad_layouts or _grad_layouts(ins, []), None, None, strat.local_fn)
     n_out = len(out_shapes) if out_shapes is not None else (len(outs) if isinstance(outs, (list, tuple)) else 1)
     if isinstance(outs, Layout) or outs is None:
         outs = [outs] * n_out
@@ -342,6 +344,8 @@ def _dispatch(func, args, kwargs):
             raise RuntimeError(f"{name} is in-place but its rule moved the tensor from {target._layout} to "
                                f"{dec.in_layouts[0]}; an in-place op must keep its layout")
         return _finish_inplace(target, out if isinstance(out, Tensor) else locs[0], grad)
+    if dec.out_layouts is None:
+        return _wrap_replicated(out, mesh, grad)
     return _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
 
 

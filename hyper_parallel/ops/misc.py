@@ -23,10 +23,13 @@ def _repl(spec) -> Layout:
 
 
 def _out_layouts(call: OpCall, base: Layout, ndims=None) -> list[Layout]:
-    """Replicated layouts for every tensor output (from the meta shapes, else from the rule's `out_ndims`)."""
+    """Replicated layouts for every tensor output (from the meta shapes, else from the rule's `out_ndims`;
+    without either, every output is replicated whatever its rank)."""
     if call.out_shapes is not None:
         return [replicate_layout(base.mesh, len(s)) for s in call.out_shapes]
-    return [replicate_layout(base.mesh, n) for n in (ndims or [])]
+    if ndims:
+        return [replicate_layout(base.mesh, n) for n in ndims]
+    return Strategy.REPLICATED
 
 
 def _local_piece(full: Tensor, layout: Layout) -> Tensor:

@@ -1,0 +1,131 @@
+"""On-disk format: a streaming safetensors writer, dtype names, and the JSON index.
+
+The safetensors layout is: 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+data_offsets), then the raw bytes. Writing it ourselves lets a rank stream pieces straight from its
+shards (no second copy of the state) and checksum exactly the bytes that land in the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+INDEX_NAME = "index.json"
+FORMAT_NAME = "hyper_parallel.checkpoint"
+FORMAT_VERSION = 1
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_TORCH_DTYPES = {str(dt).removeprefix("torch."): dt for dt in _ST_DTYPES}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The index spelling of a dtype ("float32", "bfloat16", ...)."""
+    if dtype not in _ST_DTYPES:
+        raise TypeError(f"dtype {dtype} cannot be stored in safetensors")
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _TORCH_DTYPES:
+        raise CheckpointCorruptError(f"unknown dtype {name!r} in the checkpoint index")
+    return _TORCH_DTYPES[name]
+
+
+def tensor_bytes(t: torch.Tensor):
+    """A zero-copy byte view of a tensor (a contiguous copy first if it is not contiguous)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.view(torch.uint8).numpy()
+
+
+def crc32(t: torch.Tensor) -> int:
+    return zlib.crc32(tensor_bytes(t))
+
+
+class SafetensorsWriter:
+    """Write named tensors one by one into a safetensors file whose header is fixed up front.
+
+    `entries` is [(name, dtype, shape)] in file order; `write(t)` must then be called once per entry,
+    in order. Each write returns the CRC32 of the bytes written.
+    """
+
+    def __init__(self, path: str | os.PathLike, entries: list, metadata: dict | None = None):
+        header: dict = {}
+        offset = 0
+        self._sizes = []
+        for name, dtype, shape in entries:
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._sizes.append((name, dtype, tuple(shape), n))
+            offset += n
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = str(path)
+        self.total_bytes = 8 + len(raw) + offset
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._next = 0
+
+    def write(self, t: torch.Tensor) -> int:
+        name, dtype, shape, n = self._sizes[self._next]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        data = tensor_bytes(t)
+        self._f.write(data)
+        self._next += 1
+        return zlib.crc32(data)
+
+    def close(self) -> None:
+        if self._next != len(self._sizes):
+            raise ValueError(f"{self.path}: {len(self._sizes) - self._next} tensors were never written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON durably (fsync) so the index is on disk before the folder is renamed into place."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_index(path: str | os.PathLike) -> dict:
+    """The JSON index of a checkpoint folder, checked for the format it was written in."""
+    folder = Path(path)
+    index_path = folder / INDEX_NAME
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint at {folder}: the folder does not exist")
+    if not index_path.is_file():
+        raise CheckpointNotFoundError(f"no {INDEX_NAME} in {folder}: not a hyper_parallel checkpoint "
+                                      f"(or its save never completed)")
+    try:
+        index = json.loads(index_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{index_path} is not valid JSON (corrupt or truncated): {e}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise CheckpointCorruptError(f"{index_path} is not a {FORMAT_NAME} index")
+    if index.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{index_path} has format version {index['version']}; this hyper_parallel reads "
+                              f"up to {FORMAT_VERSION}")
+    return index
+

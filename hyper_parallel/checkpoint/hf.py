@@ -1,0 +1,193 @@
+"""Hugging Face checkpoint folders <-> sharded models.
+
+`export_hf` writes what `from_pretrained` reads: `config.json` (+ `generation_config.json`) and one
+`model.safetensors` under the model's own state_dict names (a tied weight once, under its first
+name, as `save_pretrained` does). Rank 0 writes; every tensor is assembled there piece by piece
+from the ranks that own it (point-to-point), so no rank ever holds more than one full tensor.
+`load_hf` fills a sharded model from such a folder, each rank reading only its slices.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dtensor.dtensor import DTensor
+from . import comm
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .format import SafetensorsWriter
+from .loader import SliceReader
+from .pieces import local_of, overlap, region, writer_pieces
+from .saver import commit, fsync_dir, make_tmp, remove_stale
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _model_tensors(model: nn.Module) -> list:
+    """[(names, tensor)]: persistent parameters and buffers, tied ones grouped under all their names."""
+    groups: dict = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), (t, []))[1].append(name)
+    return [(names, t) for t, names in groups.values()]
+
+
+@torch.no_grad()
+def gather_to_rank0(t: torch.Tensor) -> torch.Tensor | None:
+    """The full value of `t` on rank 0 (None elsewhere), sent there piece by piece by the owners."""
+    me = comm.rank()
+    if not isinstance(t, DTensor):
+        return t.detach().cpu() if me == 0 else None
+    if t.dist_layout.has_partial:
+        t = t.redistribute(t.dist_layout.without_partial())
+    layout, shape = t.dist_layout, tuple(t.shape)
+    pieces = writer_pieces(layout, shape)
+    if not comm.distributed() and any(r != 0 for r, _, _ in pieces):
+        raise CheckpointError(f"a {shape} tensor laid out as {layout} spans several ranks: export needs "
+                              f"torch.distributed")
+    local = local_of(t)
+    full = torch.empty(shape, dtype=t.dtype) if me == 0 else None
+    for r, offsets, sizes in pieces:
+        where = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+        if r == me == 0:
+            full[where] = local.cpu()
+        elif me == 0:
+            buf = torch.empty(sizes, dtype=t.dtype, device=local.device)
+            dist.recv(buf, src=r)
+            full[where] = buf.cpu()
+        elif r == me:
+            dist.send(local.contiguous(), dst=0)
+    return full
+
+
+def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = True) -> None:
+    """Write a full Hugging Face checkpoint folder from a (possibly sharded) model; every rank calls it.
+
+    The folder appears atomically (temporary folder, then rename); `from_pretrained(path)` loads it.
+    """
+    path = Path(path).absolute()
+    me = comm.rank()
+    tensors = _model_tensors(model)
+    tmp, problems = None, []
+    if me == 0:
+        try:
+            tmp = make_tmp(path, overwrite, marker="config.json")
+            config = getattr(model, "config", None)
+            if config is None or not hasattr(config, "save_pretrained"):
+                raise CheckpointError("export_hf needs a transformers model (with .config)")
+            config.save_pretrained(tmp)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None and getattr(model, "can_generate", lambda: False)():
+                gen.save_pretrained(tmp)
+        except Exception as e:
+            problems.append(f"rank 0 could not prepare {path}: {e!r}")
+    problems = comm.broadcast_object(problems)
+    if problems:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError("\n  ".join(problems))
+
+    writer = None
+    if me == 0:
+        try:
+            writer = SafetensorsWriter(tmp / WEIGHTS_NAME, [(names[0], t.dtype, tuple(t.shape)) for names, t in tensors],
+                                       {"format": "pt"})
+        except Exception as e:
+            problems.append(f"rank 0 could not create {tmp / WEIGHTS_NAME}: {e!r}")
+    for names, t in tensors:
+        full = gather_to_rank0(t)  # every rank takes part, even after a local failure, so no one hangs
+        if writer is not None and not problems:
+            try:
+                writer.write(full)
+            except Exception as e:
+                problems.append(f"rank 0 could not write {names[0]!r}: {e!r}")
+        del full
+    if me == 0:
+        try:
+            if not problems:
+                writer.close()
+                fsync_dir(tmp)
+                commit(tmp, path)
+                remove_stale(path)
+        except Exception as e:
+            problems.append(f"rank 0 could not finish {path}: {e!r}")
+        if problems:
+            if writer is not None:
+                writer.abort()
+            shutil.rmtree(tmp, ignore_errors=True)
+    problems = comm.broadcast_object(problems)
+    if problems:
+        raise CheckpointError(f"export to {path} failed:\n  " + "\n  ".join(problems))
+
+
+def _hf_files(folder: Path) -> dict:
+    """tensor name -> safetensors file name, from the shard index json or the files' headers."""
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"no Hugging Face checkpoint at {folder}")
+    index = sorted(folder.glob("*.safetensors.index.json"))
+    if index:
+        return dict(json.loads(index[0].read_text())["weight_map"])
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(f"no *.safetensors in {folder}")
+    from safetensors import safe_open
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    out[k] = f.name
+        except Exception as e:
+            raise CheckpointError(f"{f} cannot be opened as safetensors (corrupt or truncated): {e}") from None
+    return out
+
+
+@torch.no_grad()
+def load_hf(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
+    """Fill a (possibly sharded) model from a Hugging Face folder; each rank reads only its slices.
+
+    Tensors are cast to the model's dtypes (as from_pretrained does with torch_dtype). `strict`:
+    a model tensor missing from the folder, or a folder tensor the model lacks, is an error.
+    Needs no communication, so ranks may call it independently.
+    """
+    folder = Path(path).absolute()
+    where = _hf_files(folder)
+    tensors = _model_tensors(model)
+    known = {n for names, _ in tensors for n in names}
+    missing = [names[0] for names, _ in tensors if not any(n in where for n in names)]
+    unexpected = [k for k in where if k not in known]
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(f"{folder} does not match the model: missing {missing[:8]}, "
+                                      f"unexpected {unexpected[:8]}")
+    with ExitStack() as stack:
+        reader = SliceReader(folder, stack)
+        todo, problems = [], []
+        for names, t in tensors:  # check every shape before touching the model
+            name = next((n for n in names if n in where), None)
+            if name is None:
+                continue
+            stored = tuple(reader.handle(where[name]).get_slice(name).get_shape())
+            if stored != tuple(t.shape):
+                problems.append(f"{name!r}: shape {stored} in {folder / where[name]}, {tuple(t.shape)} in the model")
+            todo.append((name, t, stored))
+        if problems:
+            raise CheckpointMismatchError(f"{folder} does not match the model:\n  " + "\n  ".join(problems))
+        for name, t, stored in todo:
+            reg = region(t)
+            if reg is None:
+                continue
+            if not stored:
+                data = reader.read(where[name], name)
+            else:
+                ov = overlap((0,) * len(stored), stored, *reg)
+                if ov is None:
+                    continue  # this rank holds an empty piece
+                data = reader.read(where[name], name, ov[0])
+            local = local_of(t)
+            local.copy_(data.to(dtype=local.dtype))
+    return model
