@@ -39,3 +39,27 @@ def _plain_grad_in_split_op(rank, world):
 
 def test_plain_tensor_gradient_is_reduced(dist2):
     dist2.run(_plain_grad_in_split_op)
+
+
+def _masked_row_write(rank, world):
+    """x[mask, :] = rows with x split on the masked dims (Qwen-VL merges image embeddings this way)."""
+    L = hp.Layout((world,), ("dp",))
+    torch.manual_seed(0)
+    x0 = torch.randn(4, 5, 3)
+    mask = torch.rand(4, 5) > 0.5
+    rows0 = torch.randn(int(mask.sum()), 3)
+    rows = hp.distribute_tensor(rows0, L("None", "None")).requires_grad_()
+    x = hp.distribute_tensor(x0, L("dp", "None", "None")) * 1.0
+    x[hp.distribute_tensor(mask, L("dp", "None")), :] = rows
+    (x * x).backward(hp.distribute_tensor(torch.ones(4, 5, 3), L("dp", "None", "None")))
+    ref_rows = rows0.clone().requires_grad_()
+    ref = x0.clone()
+    ref[mask, :] = ref_rows
+    (ref * ref).sum().backward()
+    assert torch.equal(x.full_tensor(), ref.detach())
+    assert torch.allclose(rows.grad.full_tensor(), ref_rows.grad, atol=1e-6)
+    return True
+
+
+def test_masked_row_write_on_split_dims(dist2):
+    dist2.run(_masked_row_write)

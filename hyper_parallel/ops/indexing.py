@@ -143,6 +143,9 @@ class SetItem(Rule):
     """
 
     def strategy(self, call: OpCall) -> Strategy:
+        masked = _masked_write(call)
+        if masked is not None:
+            return masked
         x = call.inputs[0]
         lay = x.layout
         mesh = lay.mesh
@@ -183,6 +186,36 @@ class SetItem(Rule):
         if not translate and not zero_scalar:
             return Strategy(ins, [lay])
         return Strategy(ins, [lay], _local_setitem(plan, translate, x.shape, r_nd, v_nd, zero_scalar))
+
+
+def _masked_write(call: OpCall) -> Strategy | None:
+    """`x[mask] = rows` (`x[mask, :]`) with x split on the masked dims: each rank writes its own masked
+    positions, taking from the replicated rows the ones whose global order (a cumsum of the full mask)
+    falls in its piece. No communication beyond replicating mask and rows."""
+    index = call.args[1] if len(call.args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    mask = parts[0]
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool) or \
+            any(p is not Ellipsis and p != slice(None) for p in parts[1:]):
+        return None
+    x = call.inputs[0]
+    lay = x.layout
+    k = mask.ndim
+    if lay.has_partial or not any(lay.tensor_map[:k]) or any(lay.tensor_map[k:]):
+        return None
+    offsets, sizes = lay.local_offset(x.shape)[:k], lay.local_shape(x.shape)[:k]
+    piece = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    row_nd = 1 + x.ndim - k
+
+    def write(x_local, index, value):
+        full = index[0] if isinstance(index, tuple) else index
+        order = (full.flatten().cumsum(0) - 1).reshape(full.shape)
+        mine = full[piece]
+        rows = value[order[piece][mine]] if isinstance(value, torch.Tensor) and value.ndim == row_nd else value
+        x_local[mine] = rows
+
+    ins = [lay] + [s.layout.replicated() for s in call.inputs[1:]]
+    return Strategy(ins, [lay], write)
 
 
 def _local_setitem(plan: IndexPlan, translate: dict, shape: tuple, r_nd: int, v_nd: int, zero_scalar: bool):
