@@ -183,3 +183,10 @@ def _llama_batch_split(rank, world):
 
 def test_llama_batch_split_two_ranks(dist2):
     assert dist2.run(_llama_batch_split) == [True, True]
+
+
+def test_ops_doc_is_generated_from_the_yaml():
+    from pathlib import Path
+    from hyper_parallel.tools.ops_doc import render
+    doc = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
+    assert doc.read_text() == render(), "docs/ops.md is stale: python -m hyper_parallel.tools.ops_doc > docs/ops.md"

@@ -63,3 +63,34 @@ def _masked_row_write(rank, world):
 
 def test_masked_row_write_on_split_dims(dist2):
     dist2.run(_masked_row_write)
+
+
+def _write_through_view(rank, world):
+    """k = x.new_empty(..); k[..., :n].copy_(y): the base gets y's history (DeepSeek-V3's expand_kv)."""
+    L = hp.Layout((world,), ("dp",))
+    torch.manual_seed(0)
+    y0, r0 = torch.randn(4, 3), torch.randn(4, 2)
+    y = hp.distribute_tensor(y0, L("dp", "None")).requires_grad_()
+    k = (y * 2).new_empty(4, 5)
+    k = hp.distribute_tensor(torch.zeros(4, 5), L("dp", "None")) if k.dist_layout.is_replicate else k
+    k[..., :3].copy_(y * 2)
+    k[..., 3:].copy_(hp.distribute_tensor(r0, L("dp", "None")))
+    (k * k).backward(hp.distribute_tensor(torch.ones(4, 5), L("dp", "None")))
+    ref_y = y0.clone().requires_grad_()
+    ref = torch.cat([ref_y * 2, r0], dim=-1)
+    (ref * ref).sum().backward()
+    assert torch.allclose(k.full_tensor(), ref.detach())
+    assert torch.allclose(y.grad.full_tensor(), ref_y.grad, atol=1e-6)
+    # a view taken of a gathered copy cannot carry a write back: loud, not lost
+    x = hp.distribute_tensor(torch.zeros(4, 6), L("None", "dp")) if world == 2 else None
+    try:
+        x[..., :3].copy_(torch.ones(4, 3))
+    except RuntimeError as e:
+        assert "would not reach the original" in str(e)
+    else:
+        raise AssertionError("a write into a view of a redistributed copy must be refused")
+    return True
+
+
+def test_write_through_view_gives_base_history(dist2):
+    dist2.run(_write_through_view)

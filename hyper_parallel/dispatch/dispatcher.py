@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..dtensor.autograd import InplaceWrap, Unwrap, Wrap
+from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Unwrap, Wrap
 from ..dtensor.dtensor import DTensor, make_dtensor
 from ..layout.layout import Layout, replicate_layout
 from ..redistribute.planner import redistribute_local
@@ -223,9 +223,30 @@ def _wrap_replicated(out, mesh, grad):
     return out
 
 
-def _finish_inplace(target, local_out, grad):
+def _note_view(result, args, loc0, out, func, largs, lkwargs):
+    """Remember that `result` views args[0], so an in-place write to it can give the base its history
+    (torch's CopySlices); False when the view was taken of a redistributed copy (a write would be lost)."""
+    base = out._base
+    if base is not None and type(args[0]) is DTensor and type(result) is DTensor and result is not args[0]:
+        if loc0 is not None and (base is loc0 or (loc0._base is not None and base is loc0._base)):
+            result._view_of = (args[0], func, largs[1:], lkwargs)
+        else:
+            result._view_of = False
+    return result
+
+
+def _finish_inplace(target, local_out, grad, name="an in-place op"):
+    view = getattr(target, "_view_of", None)
+    if view is False:
+        raise RuntimeError(f"{name} writes into a view of a DTensor that was redistributed to take the view, so "
+                           f"the write would not reach the original tensor ({target._layout}). Write into the "
+                           f"original with index assignment (x[...] = v) or redistribute it first.")
     if grad and (target.requires_grad or local_out.requires_grad):
-        return InplaceWrap.apply(target, local_out)
+        out = InplaceWrap.apply(target, local_out)
+        if view:
+            base, vfunc, vargs, vkwargs = view
+            InplaceViewWrap.apply(base, local_out, lambda g: vfunc(g, *vargs, **vkwargs))
+        return out
     if local_out is not target._local and isinstance(local_out, Tensor):
         target._local = local_out
     return target
@@ -292,7 +313,12 @@ def _dispatch(func, args, kwargs):
                 for a in args:
                     if type(a) is DTensor and a._local is out:
                         return a
-                return make_dtensor(out, replicate_layout(mesh, out.ndim), tuple(out.shape))
+                res = make_dtensor(out, replicate_layout(mesh, out.ndim), tuple(out.shape))
+                if out._base is not None:
+                    a0 = args[0]
+                    _note_view(res, args, a0._local if type(a0) is DTensor else None, out, func,
+                               [a._local if type(a) is DTensor else a for a in args], kwargs)
+                return res
             return _wrap_replicated(out, mesh, False)
         if grad:
             locs = [Unwrap.apply(t, t._layout, t._layout, t.grad_fn is None) if type(t) is DTensor and t.requires_grad
@@ -302,12 +328,16 @@ def _dispatch(func, args, kwargs):
         largs, lkwargs = _swap_args(args, kwargs, locs)
         out = func(*largs, **lkwargs)
         if inplace:
-            return _finish_inplace(args[0], out if isinstance(out, Tensor) else locs[0], grad) \
+            return _finish_inplace(args[0], out if isinstance(out, Tensor) else locs[0], grad, name) \
                 if type(args[0]) is DTensor else out
         if isinstance(out, Tensor):
             same = _returned_input(out, locs, leaves)
             if same is not None:
                 return same
+            res = _wrap_replicated(out, mesh, grad)
+            if out._base is not None and leaves and leaves[0] is args[0]:
+                _note_view(res, args, locs[0], out, func, largs, lkwargs)
+            return res
         return _wrap_replicated(out, mesh, grad)
 
     key = _key(func, args, kwargs, rule.float_args_matter)
@@ -343,10 +373,14 @@ def _dispatch(func, args, kwargs):
         if dec.in_layouts[0] is not target._layout:
             raise RuntimeError(f"{name} is in-place but its rule moved the tensor from {target._layout} to "
                                f"{dec.in_layouts[0]}; an in-place op must keep its layout")
-        return _finish_inplace(target, out if isinstance(out, Tensor) else locs[0], grad)
+        return _finish_inplace(target, out if isinstance(out, Tensor) else locs[0], grad, name)
     if dec.out_layouts is None:
         return _wrap_replicated(out, mesh, grad)
-    return _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
+    res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
+    if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0]:
+        moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
+        _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
+    return res
 
 
 def _returned_input(out, locs, leaves):

@@ -79,3 +79,25 @@ class InplaceWrap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return None, local_grad(grad, ctx.layout)
+
+
+class InplaceViewWrap(torch.autograd.Function):
+    """A write through a view reaches the base: give the base the history torch's CopySlices would.
+
+    `replay` re-takes the view from a local tensor laid out like the base, so backward can split the
+    base's gradient into the written region (to the new values) and the rest (to the old base).
+    """
+
+    @staticmethod
+    def forward(ctx, base, view_local, replay):
+        ctx.mark_dirty(base)
+        ctx.layout, ctx.shape, ctx.replay = base._layout, base._shape, replay
+        return base
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .dtensor import make_dtensor
+        g = local_grad(grad, ctx.layout).clone()
+        g_view = ctx.replay(g).clone()
+        ctx.replay(g).zero_()
+        return make_dtensor(g, ctx.layout.without_partial(), ctx.shape), g_view, None
