@@ -456,8 +456,11 @@ def test_fresh_optimizer_hint_and_init(tmp_path):
 def test_inspect_cli(tmp_path, capsys):
     from hyper_parallel.checkpoint.inspect import main
     path, _ = _small(tmp_path)
-    assert main(["inspect", path]) == 0
+    from hyper_parallel.tools.cli import main as cli_main
+    assert cli_main(["checkpoint", "inspect", path]) == 0  # the `hyper-parallel` script
     out = capsys.readouterr().out
+    assert main(["inspect", path]) == 0
+    assert capsys.readouterr().out == out
     assert "model.w" in out and "(3, 4)" in out and "float32" in out and "plain" in out and "step = 5" in out
     assert main(["inspect", path, "--json", "-"]) == 0
     listing = json.loads(capsys.readouterr().out)

@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dp", type=int, default=0, metavar="N",
                    help="instead of the single-process census, split the batch over N local gloo processes "
                         "(inputs laid out ('dp', 'None', ...)) and compare with the plain single-process run")
+    from ..checkpoint.inspect import add_parser as add_checkpoint_parser  # `checkpoint inspect PATH`
+    add_checkpoint_parser(sub)
     return p
 
 
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "census":
         return census_main(args)
+    if args.command == "checkpoint":
+        return args.handler(args)
     return 2
 
 
