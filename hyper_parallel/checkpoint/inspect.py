@@ -64,7 +64,8 @@ def verify(path: str) -> list[str]:
     return problems
 
 
-def print_summary(s: dict, out=sys.stdout) -> None:
+def print_summary(s: dict, out=None) -> None:
+    out = out if out is not None else sys.stdout  # looked up per call: the stream may be replaced (pytest, redirects)
     total = sum(r["bytes"] for r in s["tensors"])
     print(f"checkpoint {s['path']}: {len(s['tensors'])} tensors ({_human(total)}), {len(s['values'])} values, "
           f"{len(s['files'])} files, saved by {s['world_size']} rank(s)", file=out)
