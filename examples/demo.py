@@ -20,7 +20,6 @@ def main() -> None:
     torch.set_num_threads(1)
     case = build_model("llama", seed=0)
     ref = copy.deepcopy(case.model)
-    ids = case.inputs["input_ids"]
 
     # 1. tensor parallel over every rank from the model's own tp_plan; greedy generate
     model = hp.shard(case.model, "auto")

@@ -18,7 +18,6 @@ from .call import OpCall, Strategy, TensorSpec
 
 _DisableTF = torch._C.DisableTorchFunctionSubclass
 _is_grad_enabled = torch.is_grad_enabled
-_UNSET = object()
 _NO_KWARGS: dict = {}  # shared, never mutated
 _RULE_OF: dict = {}    # func -> (name, rule or None, inplace)
 _CACHE: dict = {}      # call key -> Decision

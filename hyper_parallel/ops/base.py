@@ -6,7 +6,7 @@ expands them to every mesh axis and picks, per axis, the signature whose input m
 from __future__ import annotations
 
 from ..dispatch.call import OpCall, Strategy
-from ..layout.placement import Partial, Placement, Replicate, Shard, REPLICATE
+from ..layout.placement import Partial, Replicate, Shard, REPLICATE
 from ..redistribute.cost import axis_cost
 
 

@@ -106,7 +106,6 @@ class GetItem(Rule):
     """x[index]: selected dims whole, full-range slices and untouched dims keep their splits."""
 
     def strategy(self, call: OpCall) -> Strategy:
-        x = call.inputs[0]
         plan = _plan(call)
         if call.out_shapes is not None and len(call.out_shapes[0]) != plan.out_ndim:
             raise RuntimeError(f"{call.name}: index parsed to rank {plan.out_ndim}, torch says "
