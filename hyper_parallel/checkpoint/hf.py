@@ -24,7 +24,7 @@ from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFound
 from .format import SafetensorsWriter
 from .loader import SliceReader
 from .pieces import local_of, overlap, region, writer_pieces
-from .saver import commit, fsync_dir, make_tmp, remove_stale
+from .saver import make_tmp, publish
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -108,18 +108,9 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = Tr
                 problems.append(f"rank 0 could not write {names[0]!r}: {e!r}")
         del full
     if me == 0:
-        try:
-            if not problems:
-                writer.close()
-                fsync_dir(tmp)
-                commit(tmp, path)
-                remove_stale(path)
-        except Exception as e:
-            problems.append(f"rank 0 could not finish {path}: {e!r}")
-        if problems:
-            if writer is not None:
-                writer.abort()
-            shutil.rmtree(tmp, ignore_errors=True)
+        problems = publish(tmp, path, problems, lambda: writer.close())
+        if problems and writer is not None:
+            writer.abort()
     problems = comm.broadcast_object(problems)
     if problems:
         raise CheckpointError(f"export to {path} failed:\n  " + "\n  ".join(problems))

@@ -96,18 +96,9 @@ def save(state: dict, path: str | os.PathLike, *, overwrite: bool = True) -> Non
     outcome = None
     if me == 0:
         problems = [e for _, _, errs in gathered for e in errs]
-        try:
-            if not problems:
-                index = _build_index(tensors, values, gathered)
-                write_json(tmp / INDEX_NAME, index)
-                fsync_dir(tmp)
-                commit(tmp, path)
-                remove_stale(path)
-        except Exception as e:
-            problems.append(f"rank 0 could not finish {path}: {e!r}")
-        if problems:
-            shutil.rmtree(tmp, ignore_errors=True)
-            outcome = problems
+        problems = publish(tmp, path, problems,
+                           lambda: write_json(tmp / INDEX_NAME, _build_index(tensors, values, gathered)))
+        outcome = problems or None
     outcome = comm.broadcast_object(outcome)
     if outcome:
         raise CheckpointError(f"saving {path} failed; the previous checkpoint (if any) is untouched:\n  "
@@ -186,6 +177,22 @@ def make_tmp(path: Path, overwrite: bool, marker: str = INDEX_NAME) -> Path:
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     return tmp
+
+
+def publish(tmp: Path, path: Path, problems: list, finish) -> list:
+    """Rank 0, after every rank wrote into `tmp`: `finish()` (the last file), then swap `tmp` into place.
+    On any problem `tmp` is removed and the previous checkpoint stays. Returns the problems."""
+    try:
+        if not problems:
+            finish()
+            fsync_dir(tmp)
+            commit(tmp, path)
+            remove_stale(path)
+    except Exception as e:
+        problems.append(f"rank 0 could not finish {path}: {e!r}")
+    if problems:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return problems
 
 
 def commit(tmp: Path, path: Path) -> None:
