@@ -97,6 +97,13 @@ def _full(t):
 
 
 # ---- rank functions (module level: the harness imports them by name) ---------------------------
+def _assert_grads_match(model, ref):
+    """Every parameter's gathered gradient equals the single-process reference's, by name."""
+    named_ref = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), named_ref[n].grad, **TOL, msg=n)
+
+
 def _mlp_step(rank, world):
     torch.manual_seed(0)
     ref = MLP()
@@ -198,9 +205,7 @@ def _loss_parallel(rank, world):
     loss_ref = ref(ids, labels=ids, use_cache=False).loss
     loss_ref.backward()
     torch.testing.assert_close(_full(out.loss), loss_ref, **TOL)
-    named_ref = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), named_ref[n].grad, **TOL, msg=n)
+    _assert_grads_match(model, ref)
     return dict(c.counts)
 
 
@@ -218,9 +223,7 @@ def _sequence_parallel(rank, world):
     torch.testing.assert_close(_full(loss), loss_ref, **TOL)
     loss_ref.backward()
     loss.backward()
-    named_ref = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), named_ref[n].grad, **TOL, msg=n)
+    _assert_grads_match(model, ref)
     return dict(c.counts)
 
 
@@ -260,9 +263,7 @@ def _qwen3_vl(rank, world):
     torch.testing.assert_close(_full(loss), loss_ref, **TOL)
     loss_ref.backward()
     loss.backward()
-    named_ref = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), named_ref[n].grad, **TOL, msg=n)
+    _assert_grads_match(model, ref)
     return got.tolist()
 
 
