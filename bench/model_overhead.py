@@ -1,6 +1,6 @@
 """Model-level overhead: plain torch vs hyper_parallel DTensor vs torch.distributed.tensor.DTensor.
 
-    .venv/bin/python bench/model_overhead.py [--models llama_ref,llama,...] [--repeat 10] [--quick] [--profile]
+    .venv/bin/python bench/model_overhead.py [--models llama_ref,llama,...] [--repeat 30] [--quick] [--profile]
         [--backends plain,ours,"torch DT"] [--clock cpu|wall] [--cold-repeat 3] [--new-tokens 8]
 
 Why: every op of a transformers model goes through our dispatcher, so per-op cost adds up per forward,
@@ -16,10 +16,12 @@ process, one thread, a world-size-1 gloo group:
 Per model and backend: forward (median ms), greedy `generate` time per new token (total time of one
 generate call / new tokens, prefill included), one training step (forward with labels, backward,
 AdamW step), each with its ratio to plain; cold forward (the first call on a fresh model with our and
-torch DT's decision caches cleared, median over --cold-repeat fresh models); for ours the ops dispatched per forward (STATS deltas: hits + misses +
-replicated) and the decision-cache hit rate (hits / (hits + misses); replicated calls skip the cache).
-Times are thread CPU time by default (`--clock wall` for perf_counter): the same as wall time for one
-thread on an idle machine, but not inflated by waiting for a core on a busy one.
+torch DT's decision caches cleared, median over --cold-repeat fresh models); for ours the ops dispatched
+per forward (`hyper_parallel.dispatch.count_calls`) and the decision-cache hit rate (hits / (hits +
+misses); replicated calls need no decision). The backends of a model take turns in blocks of calls, so
+drift of the machine's speed moves them alike. Times are thread CPU time by default (`--clock wall` for
+perf_counter): the same as wall time for one thread on an idle machine, but not inflated by waiting for
+a core on a busy one. `bench/model_instructions.py` counts instructions instead, which no load moves.
 A failing cell shows the error and the run goes on. `llama_ref` is the issue's reference size
 (Llama, hidden 64, 2 layers, batch 1, sequence 16); the others are `hyper_parallel.tools.models`.
 """
@@ -195,25 +197,8 @@ class Row:
 CLOCK: Callable[[], float] = time.thread_time
 
 
-def _median_ms(fn: Callable[[], Any], repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    gc.collect()
-    times = []
-    for _ in range(repeat):
-        t0 = CLOCK()
-        fn()
-        times.append((CLOCK() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
-
-
-def _stats() -> dict:
-    from hyper_parallel.dispatch import STATS
-    return dict(STATS)
 
 
 def _logits(out) -> torch.Tensor:
@@ -236,31 +221,44 @@ def _prepared(backend, name: str, seed: int, fallback: tuple = ()):
 _FALLBACKS = (("eager attn",), ("eager attn", "eager experts"))
 
 
-def run_backend(backend, name: str, seed: int, repeat: int, new_tokens: int,
-                ref_logits: torch.Tensor | None, cold_repeat: int = 3) -> tuple[Row, torch.Tensor | None]:
-    """All measurements of one model on one backend; returns the row and its forward logits."""
+@dataclass
+class Subject:
+    """One model on one backend, ready to be timed: a callable per measurement (None where it failed)."""
+
+    row: Row
+    calls: dict = field(default_factory=dict)   # "fwd" / "gen" / "train" -> callable
+    per: dict = field(default_factory=dict)     # divisor of a call's time (gen: new tokens)
+    logits: torch.Tensor | None = None
+
+
+def prepare(backend, name: str, seed: int, new_tokens: int, ref_logits: torch.Tensor | None,
+            cold_repeat: int = 3) -> Subject:
+    """Build the model on `backend`, time its cold forward, check its logits, count its ops; then the
+    forward, generate and training-step callables that `measure` times side by side with the other backends."""
     row = Row(name, backend.name)
-    logits = None
+    subject = Subject(row)
     try:
         case, model, inputs, labels = _prepared(backend, name, seed)
     except Exception as e:
         row.fwd = row.gen = row.train = row.cold = Cell(err="setup: " + _err(e))
-        return row, None
+        return subject
 
-    def forward():
-        with torch.no_grad(), backend.context():
-            return model(**inputs)
+    def forward_of(model, inputs):
+        def forward():
+            with torch.no_grad(), backend.context():
+                return model(**inputs)
+        return forward
 
-    # cold forward (torch DT: retried with eager attention / experts when the default implementation fails)
-    def cold() -> tuple[Any, float]:
+    def cold(model, inputs) -> tuple[Any, float]:
         backend.clear()
         t0 = CLOCK()
-        result = forward()
+        result = forward_of(model, inputs)()
         return result, (CLOCK() - t0) * 1e3
 
+    # cold forward (torch DT: retried with eager attention / experts when the default implementation fails)
     out, fallback = None, ()
     try:
-        out, ms = cold()
+        out, ms = cold(model, inputs)
         row.cold = Cell(ms)
     except Exception as e:
         row.cold = row.fwd = Cell(err=_err(e))
@@ -269,72 +267,101 @@ def run_backend(backend, name: str, seed: int, repeat: int, new_tokens: int,
             for fb in _FALLBACKS:
                 try:
                     case, model, inputs, labels = _prepared(backend, name, seed, fb)
-                    out, ms = cold()
+                    out, ms = cold(model, inputs)
                     row.cold, row.note, fallback = Cell(ms), ", ".join(fb), fb
                     break
                 except Exception as e2:
                     row.cold = row.fwd = Cell(err=_err(e2))
-    if out is not None and cold_repeat > 1:  # a single first call is too noisy: median over fresh models
+    if out is None:
+        row.gen = row.train = Cell(err=row.cold.err)
+        return subject
+    if cold_repeat > 1:  # a single first call is too noisy: median over fresh models
         colds = [row.cold.ms]
-        first = (case, model, inputs, labels)
         for _ in range(cold_repeat - 1):
-            case, model, inputs, labels = _prepared(backend, name, seed, fallback)
-            colds.append(cold()[1])
-        case, model, inputs, labels = first
+            _, m2, i2, _ = _prepared(backend, name, seed, fallback)
+            colds.append(cold(m2, i2)[1])
         row.cold = Cell(statistics.median(colds))
-    if out is not None:
-        with torch.no_grad(), backend.context():
-            logits = backend.unwrap(_logits(out)).detach().clone()
-        if ref_logits is not None and not (logits.shape == ref_logits.shape
-                                           and torch.allclose(logits, ref_logits, atol=ATOL, rtol=ATOL)):
-            diff = (logits - ref_logits).abs().max().item() if logits.shape == ref_logits.shape else float("nan")
-            print(f"WARNING: {name} {backend.name}: forward logits differ from plain (max abs diff {diff:.2e})")
-        try:
-            row.fwd = Cell(_median_ms(forward, repeat))
-            if isinstance(backend, Ours):
-                s0 = _stats()
-                forward()
-                s1 = _stats()
-                d = {k: s1.get(k, 0) - s0.get(k, 0) for k in ("hits", "misses", "replicated")}
-                row.ops = sum(d.values())
-                row.replicated = d["replicated"]
-                looked_up = d["hits"] + d["misses"]
-                row.hit_rate = d["hits"] / looked_up if looked_up else None
-        except Exception as e:
-            row.fwd = Cell(err=_err(e))
+    with torch.no_grad(), backend.context():
+        subject.logits = backend.unwrap(_logits(out)).detach().clone()
+    if ref_logits is not None and not (subject.logits.shape == ref_logits.shape and
+                                       torch.allclose(subject.logits, ref_logits, atol=ATOL, rtol=ATOL)):
+        same_shape = subject.logits.shape == ref_logits.shape
+        diff = (subject.logits - ref_logits).abs().max().item() if same_shape else float("nan")
+        print(f"WARNING: {name} {backend.name}: forward logits differ from plain (max abs diff {diff:.2e})")
+    forward = forward_of(model, inputs)
+    subject.calls["fwd"] = forward
+    if isinstance(backend, Ours):
+        from hyper_parallel.dispatch import count_calls
+        with count_calls() as d:
+            forward()
+        row.ops = sum(d.values())
+        row.replicated = d["replicated"]
+        looked_up = d["hits"] + d["misses"]
+        row.hit_rate = d["hits"] / looked_up if looked_up else None
 
-    # greedy generate, time per new token
     if case.can_generate:
         def generate():
             with torch.no_grad(), backend.context():
                 return model.generate(**inputs, **{case.max_tokens_arg: new_tokens}, do_sample=False,
                                       **case.generate_kwargs)
-        try:
-            row.gen = Cell(_median_ms(generate, max(1, repeat // 2)) / new_tokens)
-        except Exception as e:
-            row.gen = Cell(err=_err(e))
+        subject.calls["gen"], subject.per["gen"] = generate, new_tokens
     else:
         row.gen = Cell(err="no generate")
 
-    # training step: forward with labels, backward, AdamW step
-    try:
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+    state: dict = {}
 
-        def step():
-            with backend.context():
-                opt.zero_grad(set_to_none=True)
-                loss = model(**inputs, **labels).loss
-                loss.backward()
-                opt.step()
+    def step():  # forward with labels, backward, AdamW step; the optimizer is made on the first call
+        if "opt" not in state:
+            model.train()
+            params = [p for p in model.parameters() if p.requires_grad]
+            state["opt"] = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+        opt = state["opt"]
+        with backend.context():
+            opt.zero_grad(set_to_none=True)
+            loss = model(**inputs, **labels).loss
+            loss.backward()
+            opt.step()
+    subject.calls["train"] = step
+    return subject
 
-        row.train = Cell(_median_ms(step, max(1, repeat // 2)))
-    except Exception as e:
-        row.train = Cell(err=_err(e))
-    finally:
-        model.eval()
-    return row, logits
+
+BLOCK = 5  # consecutive calls of one backend per turn; the first of each block is not timed
+
+
+def measure(subjects: list[Subject], repeat: int) -> None:
+    """Median times, with the backends of one model taking turns, so that drift of the machine's speed (other
+    jobs, frequency) moves every backend alike. A turn is a block of consecutive calls whose first call only
+    warms the caches the other backend used, so each is timed as if it ran alone. Forwards about `repeat`
+    times, generates and training steps half as often; the training step comes last (it switches the models
+    to train mode)."""
+    for metric, times in (("fwd", repeat), ("gen", max(1, repeat // 2)), ("train", max(1, repeat // 2))):
+        live = []
+        for s in subjects:
+            fn = s.calls.get(metric)
+            if fn is None:
+                continue
+            try:
+                fn()  # warm-up (and the first training step builds the optimizer state)
+                live.append(s)
+            except Exception as e:
+                setattr(s.row, metric, Cell(err=_err(e)))
+        block = min(BLOCK, times + 1)
+        samples: dict = {id(s): [] for s in live}
+        gc.collect()
+        for _ in range(-(-times // (block - 1))):
+            for s in list(live):
+                fn, per = s.calls[metric], s.per.get(metric, 1)
+                try:
+                    fn()
+                    for _ in range(block - 1):
+                        t0 = CLOCK()
+                        fn()
+                        samples[id(s)].append((CLOCK() - t0) * 1e3 / per)
+                except Exception as e:
+                    setattr(s.row, metric, Cell(err=_err(e)))
+                    live.remove(s)
+        for s in live:
+            setattr(s.row, metric, Cell(statistics.median(samples[id(s)])))
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -407,7 +434,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
                     help="comma-separated: llama_ref or names from hyper_parallel.tools.models")
-    ap.add_argument("--repeat", type=int, default=10, help="forwards per median (generate/train: half)")
+    ap.add_argument("--repeat", type=int, default=30, help="forwards per median (generate/train: half)")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--quick", action="store_true", help="repeat 3, 4 new tokens")
@@ -445,19 +472,20 @@ def main() -> None:
         warm.model(**warm.inputs)
     rows: list[Row] = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        ref = None
+        ref, subjects = None, []
+        t0 = time.perf_counter()
         for backend in backends:
-            t0 = time.perf_counter()
             try:
-                row, logits = run_backend(backend, name, args.seed, args.repeat, args.new_tokens, ref,
-                                              args.cold_repeat)
+                subject = prepare(backend, name, args.seed, args.new_tokens, ref, args.cold_repeat)
             except Exception as e:  # never lose the other rows
                 traceback.print_exc()
-                row, logits = Row(name, backend.name, fwd=Cell(err=_err(e))), None
+                subject = Subject(Row(name, backend.name, fwd=Cell(err=_err(e))))
             if backend.name == "plain":
-                ref = logits
-            rows.append(row)
-            print(f"  done {name} / {backend.name} in {time.perf_counter() - t0:.1f}s", flush=True)
+                ref = subject.logits
+            subjects.append(subject)
+        measure(subjects, args.repeat)
+        rows += [s.row for s in subjects]
+        print(f"  done {name} in {time.perf_counter() - t0:.1f}s", flush=True)
     md, errors = table(rows)
     print("\n" + machine_line(args.repeat, args.new_tokens, args.cold_repeat) + "\n")
     print(md)

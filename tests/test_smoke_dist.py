@@ -89,6 +89,14 @@ def _write_through_view(rank, world):
         assert "would not reach the original" in str(e)
     else:
         raise AssertionError("a write into a view of a redistributed copy must be refused")
+    with torch.no_grad():  # the same without grad (the C fast path's case)
+        v = x[..., :3]
+        try:
+            v.add_(1)
+        except RuntimeError as e:
+            assert "would not reach the original" in str(e)
+        else:
+            raise AssertionError("a write into a view of a redistributed copy must be refused without grad too")
     return True
 
 

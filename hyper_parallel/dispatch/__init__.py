@@ -1,8 +1,34 @@
 """Op dispatch: one path from a torch call on DTensors to local ops plus redistribution."""
+import os
+
+import torch
+
+from ..dtensor import dtensor as _dtensor_module
 from ..dtensor.dtensor import DTensor
-from .dispatcher import STATS, clear_caches, torch_function
+from ..layout.layout import replicate_layout
+from . import dispatcher
+from .engine_ops import engine_dispatch
+from .dispatcher import STATS, clear_caches, count_calls, torch_function
 from .registry import MissingOpError, load_builtin_rules, record_missing_ops, register_ops
 
-DTensor.__torch_function__ = classmethod(torch_function)
 
-__all__ = ["MissingOpError", "record_missing_ops", "register_ops", "load_builtin_rules", "STATS", "clear_caches"]
+def _accelerated():
+    """The C version of the replicated no-grad path, if it was built and not switched off."""
+    if os.environ.get("HYPER_PARALLEL_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from . import _fastpath
+    except ImportError:
+        return None
+    _fastpath.configure(DTensor, torch.Tensor, dispatcher._FAST, torch_function, torch.is_grad_enabled,
+                        torch.Tensor._make_wrapper_subclass, torch.strided, dispatcher._wrap_replicated,
+                        replicate_layout)
+    return _fastpath
+
+
+_dtensor_module._engine_dispatch = engine_dispatch
+_fastpath = _accelerated()
+DTensor.__torch_function__ = classmethod(_fastpath.torch_function if _fastpath else torch_function)
+
+__all__ = ["MissingOpError", "record_missing_ops", "register_ops", "load_builtin_rules", "STATS", "clear_caches",
+           "count_calls"]

@@ -6,14 +6,18 @@ the op runs on the local tensors and its outputs are replicated.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
-from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Unwrap, Wrap
+from ..dtensor import autograd as autograd_bridge
+from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Wrap, local_input
 from ..dtensor.dtensor import DTensor, make_dtensor
 from ..layout.layout import Layout, replicate_layout
 from ..redistribute.planner import redistribute_local
 from . import registry
+from .registry import _RECORDERS
 from .call import OpCall, Strategy, TensorSpec
 
 _DisableTF = torch._C.DisableTorchFunctionSubclass
@@ -21,6 +25,11 @@ _is_grad_enabled = torch.is_grad_enabled
 _NO_KWARGS: dict = {}  # shared, never mutated
 _RULE_OF: dict = {}    # func -> (name, rule or None, inplace)
 _CACHE: dict = {}      # call key -> Decision
+_FAST: dict = {}       # func -> in-place?, for funcs whose all-replicated calls take _replicated_local
+_SLOW_ONLY = [0]       # open python_path_only() contexts: while any is open, _FAST stays empty
+_NOT_HANDLED = object()
+_make_wrapper = Tensor._make_wrapper_subclass
+_strided = torch.strided
 STATS = {"hits": 0, "misses": 0, "replicated": 0}
 
 # Metadata of the wrapper itself: answered from the wrapper, never from the shard.
@@ -43,6 +52,13 @@ for _prop in ("shape", "dtype", "device", "layout", "requires_grad", "grad", "gr
     for _acc in ("__get__", "__set__", "__delete__"):
         if _d is not None and hasattr(_d, _acc):
             _PASSTHROUGH.add(getattr(_d, _acc))
+# The autograd API, where DTensors whose gradient arrives at their local need their locals asked instead.
+_AUTOGRAD_API = {
+    torch.autograd.grad: lambda func, args, kwargs: autograd_bridge.grad(*args, **kwargs),
+    torch.autograd.backward: autograd_bridge.backward,
+    Tensor.backward: autograd_bridge.backward,
+}
+_PASSTHROUGH.discard(Tensor.backward)
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
                     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
 
@@ -50,6 +66,39 @@ _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloo
 def clear_caches() -> None:
     _RULE_OF.clear()
     _CACHE.clear()
+    _FAST.clear()
+
+
+def clear_fast_paths() -> None:
+    """Forget which funcs take the replicated fast path, so that the next call of each decides again."""
+    _RULE_OF.clear()
+    _FAST.clear()
+
+
+@contextlib.contextmanager
+def python_path_only():
+    """Send every call through `_dispatch`, which keeps the books the fast path skips (census records, STATS)."""
+    _SLOW_ONLY[0] += 1
+    clear_fast_paths()
+    try:
+        yield
+    finally:
+        _SLOW_ONLY[0] -= 1
+        clear_fast_paths()
+
+
+@contextlib.contextmanager
+def count_calls():
+    """Count the dispatched calls inside: {"replicated", "hits", "misses"} (decision-cache hits and misses).
+
+    Calls run on the Python path meanwhile, so use it to count, not to time."""
+    counts = {}
+    before = dict(STATS)
+    with python_path_only():
+        try:
+            yield counts
+        finally:
+            counts.update({k: STATS[k] - before[k] for k in STATS})
 
 
 def _resolve(func):
@@ -57,8 +106,11 @@ def _resolve(func):
     short = name.rsplit(".", 1)[-1]
     inplace = short in _INPLACE_DUNDERS or (short.endswith("_") and not short.endswith("__")
                                             and name.startswith("torch.Tensor."))
-    entry = (name, registry.RULES.get(name), inplace)
+    rule = registry.RULES.get(name)
+    entry = (name, rule, inplace)
     _RULE_OF[func] = entry
+    if rule is not None and rule.replicated_local and func not in _PASSTHROUGH and not _SLOW_ONLY[0]:
+        _FAST[func] = inplace
     return entry
 
 
@@ -80,13 +132,13 @@ def _swap(obj, it):
         return next(it)
     t = type(obj)
     if t is tuple or t is list:
-        return t(_swap(b, it) for b in obj)
+        return t([_swap(b, it) for b in obj])
     return obj
 
 
 def _swap_args(args, kwargs, new):
     it = iter(new)
-    args = tuple(_swap(a, it) for a in args)
+    args = tuple([_swap(a, it) for a in args])
     if kwargs:
         kwargs = {k: _swap(v, it) for k, v in kwargs.items()}
     return args, kwargs
@@ -125,7 +177,7 @@ class Decision:
         self.in_layouts = in_layouts
         self.grad_layouts = grad_layouts
         self.out_layouts = out_layouts
-        self.out_shapes = out_shapes
+        self.out_shapes = None if out_shapes is None else [torch.Size(s) for s in out_shapes]  # as .shape gives
         self.local_fn = local_fn
 
 
@@ -200,7 +252,7 @@ def _wrap_out(out, layouts, shapes, grad, it):
         return make_dtensor(out, layout, shape)
     t = type(out)
     if t is tuple or t is list:
-        return t(_wrap_out(o, layouts, shapes, grad, it) for o in out)
+        return t([_wrap_out(o, layouts, shapes, grad, it) for o in out])
     if isinstance(out, tuple) and hasattr(out, "n_fields"):  # torch.return_types.*
         return t([_wrap_out(o, layouts, shapes, grad, it) for o in out])
     return out
@@ -216,7 +268,7 @@ def _wrap_replicated(out, mesh, grad):
         return make_dtensor(out, layout, tuple(out.shape))
     t = type(out)
     if t is tuple or t is list:
-        return t(_wrap_replicated(o, mesh, grad) for o in out)
+        return t([_wrap_replicated(o, mesh, grad) for o in out])
     if isinstance(out, tuple) and hasattr(out, "n_fields"):
         return t([_wrap_replicated(o, mesh, grad) for o in out])
     return out
@@ -252,13 +304,116 @@ def _finish_inplace(target, local_out, grad, name="an in-place op"):
 
 
 def torch_function(cls, func, types, args=(), kwargs=None):
-    with _DisableTF():
+    inplace = _FAST.get(func)
+    grad_mode = _is_grad_enabled()
+    if inplace is not None and not grad_mode:
+        out = _replicated_local(func, args, kwargs, False, inplace)
+        if out is not _NOT_HANDLED:
+            return out
+    with _DisableTF():  # from here on, reads of the wrappers' properties (requires_grad) are the wrappers'
+        if inplace is not None:
+            if grad_mode:
+                out = _replicated_local(func, args, kwargs, True, inplace)
+                if out is not _NOT_HANDLED:
+                    return out
+            return _dispatch(func, args, kwargs or _NO_KWARGS, False)
         if func in _PASSTHROUGH:
             return func(*args, **kwargs) if kwargs else func(*args)
+        if func in _AUTOGRAD_API:
+            return _AUTOGRAD_API[func](func, args, kwargs or _NO_KWARGS)
         return _dispatch(func, args, kwargs or _NO_KWARGS)
 
 
-def _dispatch(func, args, kwargs):
+def _same_replicated_mesh(t, mesh):
+    """`t`'s mesh if `t` is replicated and on `mesh` (any mesh when None); None otherwise."""
+    lay = t._layout
+    if not lay.is_replicate or (mesh is not None and lay.mesh is not mesh):
+        return None
+    return lay.mesh
+
+
+def _replicated_local(func, args, kwargs, grad, inplace):
+    """The hottest path: every input replicated on one mesh, so no decision and no redistribution.
+
+    `grad` is grad mode. Without it, the path reads only the wrappers' own attributes and calls the op on
+    plain tensors, so it needs no DisableTorchFunctionSubclass (and has a C twin, _fastpath.c). With it,
+    inputs that require grad enter through `local_input` and a result that requires grad is wrapped by
+    `Wrap`. Anything it does not cover (a split, mixed-mesh input, tensors in kwargs, deeper nesting, an
+    in-place op that autograd must see) returns _NOT_HANDLED before running anything."""
+    mesh = None
+    locs = []
+    needs = None  # (position, index in a list or -1) of the DTensor inputs that require grad
+    for i, a in enumerate(args):
+        t = type(a)
+        if t is DTensor:
+            mesh = _same_replicated_mesh(a, mesh)
+            if mesh is None:
+                return _NOT_HANDLED
+            locs.append(a._local)
+            if grad and a.requires_grad:
+                needs = [(i, -1)] if needs is None else needs + [(i, -1)]
+        elif t is list or t is tuple:
+            seq = []
+            for j, b in enumerate(a):
+                if type(b) is DTensor:
+                    mesh = _same_replicated_mesh(b, mesh)
+                    if mesh is None:
+                        return _NOT_HANDLED
+                    seq.append(b._local)
+                    if grad and b.requires_grad:
+                        needs = [(i, j)] if needs is None else needs + [(i, j)]
+                elif type(b) is list or type(b) is tuple:
+                    return _NOT_HANDLED
+                else:
+                    if grad and inplace and isinstance(b, Tensor) and b.requires_grad:
+                        return _NOT_HANDLED
+                    seq.append(b)
+            locs.append(t(seq))
+        else:
+            if grad and inplace and isinstance(a, Tensor) and a.requires_grad:
+                return _NOT_HANDLED
+            locs.append(a)
+    if mesh is None:  # a DTensor we did not scan (in kwargs, say): the general path finds it
+        return _NOT_HANDLED
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, Tensor) or type(v) is list or type(v) is tuple:
+                return _NOT_HANDLED
+    a0 = args[0]
+    if inplace and (needs is not None or getattr(a0, "_view_of", None) is False):
+        return _NOT_HANDLED  # autograd must see the write, or it would not reach the original tensor
+    if needs is not None:
+        for i, j in needs:
+            if j < 0:
+                locs[i] = local_input(a0 if i == 0 else args[i], args[i]._layout, args[i]._layout)
+            else:
+                b = args[i][j]
+                seq = list(locs[i])
+                seq[j] = local_input(b, b._layout, b._layout)
+                locs[i] = type(locs[i])(seq)
+    out = func(*locs, **kwargs) if kwargs else func(*locs)
+    if type(out) is not Tensor:
+        return _wrap_replicated(out, mesh, grad)
+    if type(a0) is DTensor and out is locs[0]:  # in-place ops, `x.to(x.dtype)`: the same tensor, as in torch
+        return a0
+    shape = out.shape
+    layout = mesh.replicated_layouts.get(len(shape)) or replicate_layout(mesh, len(shape))
+    if grad and out.requires_grad:
+        res = Wrap.apply(out, layout, shape)
+    else:
+        res = _make_wrapper(DTensor, shape, None, None, None, out.dtype, _strided, out.device)
+        res._local = out
+        res._layout = layout
+        res._shape = shape
+    # A view made without grad needs no note: its local is a torch view made without grad, and torch itself
+    # refuses an in-place write into it with grad mode on, as it would on one device.
+    if grad and out._base is not None and type(a0) is DTensor:
+        _note_view(res, args, locs[0], out, func, locs, kwargs or _NO_KWARGS)
+    return res
+
+
+def _dispatch(func, args, kwargs, try_replicated=True):
+    """The general path; `try_replicated=False` when `_replicated_local` has already declined this call."""
     entry = _RULE_OF.get(func)
     if entry is None:
         entry = _resolve(func)
@@ -281,6 +436,8 @@ def _dispatch(func, args, kwargs):
             _collect(kwargs.values(), leaves)
     mesh = None
     replicated = True
+    grad_mode = _is_grad_enabled()
+    grad = False  # does autograd see this call: grad mode and an input that requires grad
     for t in leaves:
         if type(t) is DTensor:
             lay = t._layout
@@ -291,36 +448,23 @@ def _dispatch(func, args, kwargs):
                                  f"redistribute them onto one mesh first")
             if not lay.is_replicate:
                 replicated = False
-    if registry._RECORDERS:
+        if grad_mode and not grad and t.requires_grad:
+            grad = True
+    if _RECORDERS:
         registry.note_op(name, missing=rule is None)
     if rule is None:
         return _missing(func, name, inplace, args, kwargs, leaves, mesh)
     if mesh is None:  # only reachable through odd paths (e.g. a DTensor nested deeper than we scan)
         raise RuntimeError(f"{name}: no DTensor found among the arguments that reached hyper_parallel")
-    grad = False
-    if _is_grad_enabled():
-        for t in leaves:
-            if t.requires_grad:
-                grad = True
-                break
 
     if replicated and rule.replicated_local:
         STATS["replicated"] += 1
-        if not grad and flat and not inplace:  # the hottest path: no autograd, no structure
-            out = func(*[a._local if type(a) is DTensor else a for a in args], **kwargs)
-            if type(out) is Tensor:
-                for a in args:
-                    if type(a) is DTensor and a._local is out:
-                        return a
-                res = make_dtensor(out, replicate_layout(mesh, out.ndim), tuple(out.shape))
-                if out._base is not None:
-                    a0 = args[0]
-                    _note_view(res, args, a0._local if type(a0) is DTensor else None, out, func,
-                               [a._local if type(a) is DTensor else a for a in args], kwargs)
-                return res
-            return _wrap_replicated(out, mesh, False)
+        if try_replicated:
+            out = _replicated_local(func, args, kwargs, grad_mode, inplace)
+            if out is not _NOT_HANDLED:
+                return out
         if grad:
-            locs = [Unwrap.apply(t, t._layout, t._layout, t.grad_fn is None) if type(t) is DTensor and t.requires_grad
+            locs = [local_input(t, t._layout, t._layout) if type(t) is DTensor and t.requires_grad
                     else (t._local if type(t) is DTensor else t) for t in leaves]
         else:
             locs = [t._local if type(t) is DTensor else t for t in leaves]
@@ -334,13 +478,22 @@ def _dispatch(func, args, kwargs):
             if same is not None:
                 return same
             res = _wrap_replicated(out, mesh, grad)
-            if out._base is not None and leaves and leaves[0] is args[0]:
+            if out._base is not None and leaves and leaves[0] is args[0] and _is_grad_enabled():
                 _note_view(res, args, locs[0], out, func, largs, lkwargs)
             return res
         return _wrap_replicated(out, mesh, grad)
 
-    key = _key(func, args, kwargs, rule.float_args_matter)
-    dec = _CACHE.get(key) if key is not None else None
+    if flat and not kwargs:  # the common call: its key without a function call per argument
+        floats = rule.float_args_matter
+        key = (func, tuple([(a._layout, a._shape, a._local.dtype) if type(a) is DTensor
+                            else _argkey(a, floats) for a in args]), None)
+        try:
+            dec = _CACHE.get(key)
+        except TypeError:  # an unhashable argument: decide every time
+            key = dec = None
+    else:
+        key = _key(func, args, kwargs, rule.float_args_matter)
+        dec = _CACHE.get(key) if key is not None else None
     if dec is None:
         STATS["misses"] += 1
         dec = _decide(func, name, rule, inplace, args, kwargs, leaves, mesh)
@@ -352,7 +505,7 @@ def _dispatch(func, args, kwargs):
     for t, target, glay in zip(leaves, dec.in_layouts, dec.grad_layouts):
         if type(t) is DTensor:
             if grad and t.requires_grad:
-                locs.append(Unwrap.apply(t, target, glay, t.grad_fn is None))
+                locs.append(local_input(t, target, glay))
             elif target is t._layout:
                 locs.append(t._local)
             else:
@@ -360,12 +513,16 @@ def _dispatch(func, args, kwargs):
         elif grad and t.requires_grad:
             # a plain tensor is a replicated value: its gradient must be reduced like a DTensor's
             rep = replicate_layout(mesh, t.ndim)
-            locs.append(Unwrap.apply(Wrap.apply(t, rep, tuple(t.shape)), target, glay, False))
+            locs.append(local_input(Wrap.apply(t, rep, tuple(t.shape)), target, glay))
         elif target.is_replicate:
             locs.append(t)
         else:
             locs.append(redistribute_local(t, replicate_layout(mesh, t.ndim), target, tuple(t.shape)))
-    largs, lkwargs = _swap_args(args, kwargs, locs)
+    if flat:
+        it = iter(locs)
+        largs, lkwargs = [next(it) if isinstance(a, Tensor) else a for a in args], kwargs
+    else:
+        largs, lkwargs = _swap_args(args, kwargs, locs)
     out = (dec.local_fn or func)(*largs, **lkwargs)
     if inplace and type(args[0]) is DTensor:
         target = args[0]
@@ -375,7 +532,11 @@ def _dispatch(func, args, kwargs):
         return _finish_inplace(target, out if isinstance(out, Tensor) else locs[0], grad, name)
     if dec.out_layouts is None:
         return _wrap_replicated(out, mesh, grad)
-    res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
+    if type(out) is Tensor and dec.out_shapes is not None:
+        layout, shape = dec.out_layouts[0], dec.out_shapes[0]
+        res = Wrap.apply(out, layout, shape) if grad and out.requires_grad else make_dtensor(out, layout, shape)
+    else:
+        res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
     if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0]:
         moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
         _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
@@ -403,10 +564,10 @@ def _missing(func, name, inplace, args, kwargs, leaves, mesh):
         if type(t) is not DTensor:
             locs.append(t)
         elif t._layout.is_replicate:
-            locs.append(Unwrap.apply(t, t._layout, t._layout, t.grad_fn is None) if grad and t.requires_grad else t._local)
+            locs.append(local_input(t, t._layout, t._layout) if grad and t.requires_grad else t._local)
         else:
             full = t._layout.replicated()
-            locs.append(Unwrap.apply(t, full, full, t.grad_fn is None) if grad and t.requires_grad
+            locs.append(local_input(t, full, full) if grad and t.requires_grad
                         else redistribute_local(t._local, t._layout, full, t._shape))
     largs, lkwargs = _swap_args(args, kwargs, locs)
     out = func(*largs, **lkwargs)

@@ -121,10 +121,12 @@ class MissingOpRecord:
 
 @contextlib.contextmanager
 def record_missing_ops():
+    from .dispatcher import python_path_only  # the fast path does not note ops
     record = MissingOpRecord()
     _RECORDERS.append(record)
     try:
-        yield record
+        with python_path_only():
+            yield record
     finally:
         _RECORDERS.remove(record)
 

@@ -6,12 +6,24 @@ duality: the gradient of a Shard is the same Shard, of a Partial is Replicate, a
 input to a computation that is split over a mesh axis is Partial over that axis (each rank holds its
 term). The collectives that this implies (all_gather <-> reduce_scatter, all_reduce <-> identity)
 fall out of redistributing gradients, which is why no collective needs its own backward here.
+
+A wrapper made by `Wrap` keeps the local tensor *with* its history as `_local`. A consumer that needs
+that local as it is (same layout, and a gradient in that same layout) uses it directly instead of going
+through `Unwrap`: both edges end at the same local node, and the pair Unwrap+Wrap would be the identity
+there, so gradients are unchanged and a training step makes one Python autograd node per op instead of
+one per input and output. Hooks registered on such a wrapper are put on its local (see
+`DTensor.register_hook`), which every gradient contribution reaches. In-place updates reset `_local` to a
+detached tensor, so later consumers go through the wrapper's new history.
 """
 from __future__ import annotations
+
+import contextlib
+import warnings
 
 import torch
 
 from ..redistribute.planner import redistribute_local
+from . import dtensor as _dt  # circular: bound when dtensor.py has finished loading, used at call time
 
 
 def grad_target(layout):
@@ -33,21 +45,19 @@ class Unwrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .dtensor import make_dtensor
-        g = make_dtensor(grad, ctx.grad_layout, ctx.shape)
         if ctx.is_leaf:
             want = grad_target(ctx.src)
             if want is not ctx.grad_layout:
-                g = make_dtensor(redistribute_local(grad, ctx.grad_layout, want, ctx.shape), want, ctx.shape)
-        return g, None, None, None
+                return _dt.make_dtensor(redistribute_local(grad, ctx.grad_layout, want, ctx.shape), want,
+                                        ctx.shape), None, None, None
+        return _dt.make_dtensor(grad, ctx.grad_layout, ctx.shape), None, None, None
 
 
 class Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, layout, shape):
-        from .dtensor import make_dtensor
         ctx.layout = layout
-        return make_dtensor(local.detach(), layout, shape)
+        return _dt.make_dtensor(local, layout, shape)  # with its history: see the module docstring
 
     @staticmethod
     def backward(ctx, grad):
@@ -56,9 +66,8 @@ class Wrap(torch.autograd.Function):
 
 def local_grad(grad, layout):
     """The local gradient for a local tensor that was wrapped with `layout`."""
-    from .dtensor import DTensor
     want = grad_target(layout)
-    if type(grad) is DTensor:
+    if type(grad) is _dt.DTensor:
         if grad._layout is want:
             return grad._local
         return redistribute_local(grad._local, grad._layout, want, grad._shape)
@@ -92,12 +101,101 @@ class InplaceViewWrap(torch.autograd.Function):
     def forward(ctx, base, view_local, replay):
         ctx.mark_dirty(base)
         ctx.layout, ctx.shape, ctx.replay = base._layout, base._shape, replay
+        base._local = base._local.detach()  # its old history no longer describes it
         return base
 
     @staticmethod
     def backward(ctx, grad):
-        from .dtensor import make_dtensor
         g = local_grad(grad, ctx.layout).clone()
         g_view = ctx.replay(g).clone()
         ctx.replay(g).zero_()
-        return make_dtensor(g, ctx.layout.without_partial(), ctx.shape), g_view, None
+        return _dt.make_dtensor(g, ctx.layout.without_partial(), ctx.shape), g_view, None
+
+
+def local_input(t, target, grad_layout):
+    """The local tensor an op computes with, autograd-connected to the DTensor `t` (which requires grad).
+
+    Directly `t._local` when it carries history and neither the layout nor the gradient's layout changes
+    (the identity case, see the module docstring); else through `Unwrap`."""
+    local = t._local
+    if local.requires_grad and target is t._layout and grad_layout is target:
+        return local
+    return Unwrap.apply(t, target, grad_layout, t.grad_fn is None)
+
+
+# ---- the autograd API on wrappers whose gradient arrives at their local -----------------------
+def _at_local(t) -> bool:
+    """Every gradient of `t` passes through its local (see the module docstring): hooks and inputs go there."""
+    return type(t) is _dt.DTensor and t._local.requires_grad
+
+
+def _as_grad(g, t):
+    """A gradient of `t`'s local, as a DTensor gradient of `t`."""
+    if g is None:
+        return None
+    layout = grad_target(t._layout)
+    return Wrap.apply(g, layout, t._shape) if g.requires_grad else _dt.make_dtensor(g, layout, t._shape)
+
+
+@contextlib.contextmanager
+def _reading_non_leaf_grads():
+    """torch warns on reading a non-leaf's .grad; here we are the ones who fill it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def register_hook(t, hook):
+    """`t.register_hook(hook)`: on the local when the gradient arrives there, with DTensor gradients either way."""
+    if not _at_local(t):
+        return torch.Tensor.register_hook(t, hook)
+    layout = grad_target(t._layout)
+
+    def on_local(g):
+        out = hook(_as_grad(g, t))
+        return None if out is None else local_grad(out, layout)
+    return t._local.register_hook(on_local)
+
+
+def retain_grad(t) -> None:
+    """`t.retain_grad()`: accumulate the local's gradients into `t.grad`, as torch does for a non-leaf."""
+    if not _at_local(t):
+        return torch.Tensor.retain_grad(t)
+    if getattr(t, "_retains", False):
+        return None
+    t._retains = True
+
+    def keep(g):
+        with torch.no_grad(), _reading_non_leaf_grads():
+            dg = _as_grad(g.detach(), t)
+            t.grad = dg if t.grad is None else t.grad + dg
+    t._local.register_hook(keep)
+    return None
+
+
+def grad(outputs, inputs, *args, **kwargs):
+    """torch.autograd.grad with DTensor inputs: asked of their locals where the gradient arrives there."""
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    asked = [t._local if _at_local(t) else t for t in inputs]
+    grads = torch.autograd.grad(outputs, asked, *args, **kwargs)
+    return tuple(_as_grad(g, t) if a is not t else g for g, t, a in zip(grads, inputs, asked))
+
+
+def backward(func, args, kwargs):
+    """torch.autograd.backward / Tensor.backward; `inputs=` whose gradient arrives at their local get it there."""
+    inputs = kwargs.get("inputs")
+    if inputs is None:
+        return func(*args, **kwargs)
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    moved = [t for t in inputs if _at_local(t)]
+    kwargs = dict(kwargs, inputs=[t._local if _at_local(t) else t for t in inputs])
+    with _reading_non_leaf_grads():
+        before = [t._local.grad for t in moved]
+    result = func(*args, **kwargs)
+    with torch.no_grad(), _reading_non_leaf_grads():
+        for t, old in zip(moved, before):
+            g, t._local.grad = t._local.grad, old
+            if g is not None:
+                g = _as_grad(g - old if old is not None else g, t)
+                t.grad = g if t.grad is None else t.grad + g
+    return result

@@ -9,9 +9,12 @@ import torch.distributed as dist
 from ..layout.layout import Layout, PlacementLayout, replicate_layout
 from ..layout.mesh import DeviceMesh
 from ..redistribute.planner import redistribute_local
-from .autograd import Unwrap, Wrap
+from . import autograd as _bridge
+from .autograd import Unwrap, Wrap, local_input
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_engine_dispatch = None  # set by hyper_parallel.dispatch: the aten ops the autograd engine runs on DTensors
+_Size = torch.Size
 
 
 class DTensor(torch.Tensor):
@@ -30,8 +33,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from ..dispatch.engine_ops import engine_dispatch
-        return engine_dispatch(func, args, kwargs or {})
+        return _engine_dispatch(func, args, kwargs or {})
 
     # ---- construction --------------------------------------------------------------------
     @staticmethod
@@ -58,7 +60,8 @@ class DTensor(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if torch.is_grad_enabled() and self.requires_grad:
                 return Unwrap.apply(self, self._layout, self._layout.without_partial(), self.grad_fn is None)
-        return self._local
+        local = self._local
+        return local.detach() if local.requires_grad else local  # no history outside grad mode
 
     def redistribute(self, layout, placements=None) -> "DTensor":
         target = resolve_layout(layout, placements, self.ndim)
@@ -66,14 +69,63 @@ class DTensor(torch.Tensor):
             raise ValueError(f"redistribute keeps the mesh: {self._layout.mesh} vs {target.mesh}")
         with torch._C.DisableTorchFunctionSubclass():
             if torch.is_grad_enabled() and self.requires_grad:
-                local = Unwrap.apply(self, target, target.without_partial(), self.grad_fn is None)
-                return Wrap.apply(local, target, self._shape)
+                return Wrap.apply(local_input(self, target, target.without_partial()), target, self._shape)
         return make_dtensor(redistribute_local(self._local, self._layout, target, self._shape), target, self._shape)
 
     def full_tensor(self) -> torch.Tensor:
         return self.redistribute(self._layout.replicated()).to_local()
 
+    # ---- autograd ------------------------------------------------------------------------
+    def register_hook(self, hook):
+        return _bridge.register_hook(self, hook)
+
+    def retain_grad(self) -> None:
+        return _bridge.retain_grad(self)
+
     # ---- metadata ------------------------------------------------------------------------
+    # Models read these on every layer; as Python attributes they skip __torch_function__ (about 1 us each).
+    # The wrapper's metadata is the global one and its local tensor always shares dtype and device.
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._local.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def dim(self) -> int:
+        return len(self._shape)
+
+    def size(self, dim: int | None = None):
+        if dim is None:
+            return self._shape
+        try:
+            return self._shape[dim]
+        except (IndexError, TypeError):
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-len(self._shape)}, "
+                             f"{len(self._shape) - 1}], but got {dim})") from None
+
+    def numel(self) -> int:
+        n = 1
+        for d in self._shape:
+            n *= d
+        return n
+
+    nelement = numel
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._shape[0]
+
     @property
     def dist_layout(self) -> Layout:
         return self._layout
@@ -108,10 +160,12 @@ class DTensor(torch.Tensor):
 
 
 def make_dtensor(local: torch.Tensor, layout: Layout, shape: tuple, requires_grad: bool = False) -> DTensor:
+    if type(shape) is not _Size:
+        shape = _Size(shape)
     out = _make_wrapper(DTensor, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
     out._local = local
     out._layout = layout
-    out._shape = shape
+    out._shape = shape  # a torch.Size, as `.shape` answers
     return out
 
 

@@ -9,6 +9,7 @@ rule that is present but wrong shows up too.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import traceback
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from ..dispatch import registry
-from ..dispatch.registry import record_missing_ops
+from ..dispatch.registry import MissingOpRecord, record_missing_ops
 from ..dtensor.dtensor import DTensor, distribute_tensor
 from ..layout.layout import Layout
 from .models import ModelCase, build_model, load_pretrained, model_names
@@ -255,8 +256,12 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_tokens: int,
-             wrap_input: Callable = replicated, wrap_param: Callable = replicated) -> RunReport:
+             wrap_input: Callable = replicated, wrap_param: Callable = replicated, record: bool = True) -> RunReport:
     report = RunReport(name, mode)
+
+    def recorder():  # without recording, calls take the fast paths a user's calls take (and report no ops)
+        return record_missing_ops() if record else contextlib.nullcontext(MissingOpRecord())
+
     start = time.perf_counter()
     try:
         if mode == "generate":
@@ -264,7 +269,7 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             ref = _generate(case, case.inputs, max_new_tokens)
             case = build()
             inputs = to_dtensor_inputs(case.inputs, wrap_input)
-            with record_missing_ops() as rec:
+            with recorder() as rec:
                 out = _generate(case, inputs, max_new_tokens)
             report.equal, report.detail = _compare_generate(case, ref, out)
         elif mode == "train":
@@ -273,7 +278,7 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             case = build()
             module = distribute_parameters(_train_module(case), wrap_param)
             inputs, labels = to_dtensor_inputs(case.inputs, wrap_input), to_dtensor_inputs(case.labels, wrap_input)
-            with record_missing_ops() as rec:
+            with recorder() as rec:
                 loss, grads, params = _train_step(module, inputs, labels)
             dl = abs(float(ref_loss) - float(loss))
             dg, wg = _max_diff(ref_grads, grads)
@@ -306,10 +311,12 @@ def _modes(mode: str) -> tuple:
 
 def run_census(models: Iterable[str] | str = "all", mode: str = "all", *, max_new_tokens: int = 4,
                model_paths: Iterable[str] = (), seed: int = 0,
-               progress: Callable[[str], None] | None = None) -> CensusReport:
+               progress: Callable[[str], None] | None = None, record: bool = True) -> CensusReport:
     """Run the census on built-in models (names or "all") and local checkpoints; returns the report.
 
-    `progress` receives one line per finished run (the CLI prints them as they come).
+    `progress` receives one line per finished run (the CLI prints them as they come). `record=False` runs
+    without `record_missing_ops` (ops are then not listed, and one without a rule fails the run): the
+    comparison with plain torch then covers the fast paths too.
     """
     if isinstance(models, str):
         models = [models]
@@ -327,7 +334,7 @@ def run_census(models: Iterable[str] | str = "all", mode: str = "all", *, max_ne
     for name, build in jobs:
         for md in modes:
             i += 1
-            r = _run_one(name, md, build, max_new_tokens)
+            r = _run_one(name, md, build, max_new_tokens, record=record)
             report.runs.append(r)
             if progress is not None:
                 progress(_progress_line(i, total, r))
@@ -336,7 +343,7 @@ def run_census(models: Iterable[str] | str = "all", mode: str = "all", *, max_ne
 
 # ---- the batch split over local processes ----------------------------------------------------------
 def _split_worker(rank: int, world: int, port: int, names: list, modes: tuple, max_new_tokens: int, seed: int,
-                  queue) -> None:
+                  queue, record: bool = True) -> None:
     import os
     from datetime import timedelta
 
@@ -353,7 +360,7 @@ def _split_worker(rank: int, world: int, port: int, names: list, modes: tuple, m
     try:
         for name in names:
             for md in modes:
-                r = _run_one(name, md, lambda: build_model(name, seed), max_new_tokens, split, repl)
+                r = _run_one(name, md, lambda: build_model(name, seed), max_new_tokens, split, repl, record)
                 if rank == 0:
                     queue.put(asdict(r))
     finally:
@@ -364,9 +371,10 @@ def _split_worker(rank: int, world: int, port: int, names: list, modes: tuple, m
 
 def run_split_census(models: Iterable[str] | str = "all", mode: str = "all", *, world: int = 2,
                      max_new_tokens: int = 4, seed: int = 0, timeout: float = 600.0,
-                     progress: Callable[[str], None] | None = None) -> CensusReport:
+                     progress: Callable[[str], None] | None = None, record: bool = True) -> CensusReport:
     """The census with the batch split over `world` local gloo processes: inputs laid out ("dp", "None", ...),
-    parameters replicated. Results are compared with the single-process plain run (reported by rank 0)."""
+    parameters replicated. Results are compared with the single-process plain run (reported by rank 0).
+    `record` as for `run_census`."""
     import multiprocessing as mp
     import queue as queue_mod
     import socket
@@ -379,7 +387,7 @@ def run_split_census(models: Iterable[str] | str = "all", mode: str = "all", *, 
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_split_worker, args=(r, world, port, names, modes, max_new_tokens, seed, q),
+    procs = [ctx.Process(target=_split_worker, args=(r, world, port, names, modes, max_new_tokens, seed, q, record),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...dtensor.autograd import Unwrap, Wrap
+from ...dtensor.autograd import Wrap, local_input
 from ...dtensor.dtensor import DTensor, make_dtensor
 from ...layout.layout import Layout, PlacementLayout, replicate_layout
 from ...layout.mesh import DeviceMesh, ensure_process_group, get_mesh
@@ -319,4 +319,4 @@ def _local_input(x: Tensor, mesh: DeviceMesh, axis) -> Tensor:
     if not (torch.is_grad_enabled() and dt.requires_grad):
         return dt._local
     grad_layout = dt.dist_layout if axis is None else dt.dist_layout.with_partial(mesh.mesh_dim_names[axis])
-    return Unwrap.apply(dt, dt.dist_layout, grad_layout, dt.grad_fn is None)
+    return local_input(dt, dt.dist_layout, grad_layout)

@@ -1,0 +1,254 @@
+/* The replicated, no-grad cache-hit path of DTensor.__torch_function__, in C.
+
+   Why: on a tiny model every op costs about a microsecond in torch itself, so the Python lines of the
+   hottest path (scan the arguments, unwrap, call, wrap) cost as much as the op. This file does exactly what
+   dispatcher._replicated_local does with grad=False, and nothing else: any call it does not cover is handed,
+   before anything has run, to the Python torch_function, which is the one dispatch path. The Python version
+   stays the reference (HYPER_PARALLEL_PURE_PYTHON=1 uses it; the tests compare the two).
+
+   Only the CPython C API is used (no torch headers), so it builds in a second with any C compiler.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+static PyTypeObject *dtensor_type;    /* hyper_parallel DTensor */
+static PyTypeObject *tensor_type;     /* torch.Tensor */
+static PyObject *fast_funcs;          /* dict func -> in-place?: funcs whose rule runs replicated inputs locally */
+static PyObject *python_path;         /* dispatcher.torch_function(cls, func, types, args, kwargs) */
+static PyObject *grad_enabled;        /* torch.is_grad_enabled */
+static PyObject *make_wrapper;        /* torch.Tensor._make_wrapper_subclass */
+static PyObject *strided;             /* torch.strided */
+static PyObject *wrap_other;          /* dispatcher._wrap_replicated(out, mesh, False) */
+static PyObject *replicate_layout;    /* layout.replicate_layout(mesh, ndim) */
+static PyObject *s_view_of, *s_local, *s_layout, *s_shape, *s_global_shape, *s_is_replicate, *s_mesh, *s_replicated_layouts, *s_dtype,
+    *s_device;
+
+/* Returned (never dereferenced, never exposed) when the call must take the Python path. */
+static char not_handled_mark;
+#define NOT_HANDLED ((PyObject *)&not_handled_mark)
+
+/* The local tensor of a replicated DTensor on *mesh (set on first use); NOT_HANDLED if split or on
+   another mesh; NULL on error. New reference. */
+static PyObject *unwrap(PyObject *dt, PyObject **mesh) {
+    PyObject *layout = PyObject_GetAttr(dt, s_layout);
+    if (layout == NULL) return NULL;
+    PyObject *rep = PyObject_GetAttr(layout, s_is_replicate);
+    if (rep == NULL) { Py_DECREF(layout); return NULL; }
+    int is_rep = (rep == Py_True);
+    Py_DECREF(rep);
+    if (!is_rep) { Py_DECREF(layout); return NOT_HANDLED; }
+    PyObject *m = PyObject_GetAttr(layout, s_mesh);
+    Py_DECREF(layout);
+    if (m == NULL) return NULL;
+    if (*mesh == NULL) {
+        *mesh = m;  /* the caller owns this reference */
+    } else {
+        int same = (m == *mesh);
+        Py_DECREF(m);
+        if (!same) return NOT_HANDLED;
+    }
+    return PyObject_GetAttr(dt, s_local);
+}
+
+/* One positional argument with DTensors replaced by their local tensors (lists/tuples one level deep). */
+static PyObject *local_arg(PyObject *a, PyObject **mesh) {
+    if (Py_TYPE(a) == dtensor_type) return unwrap(a, mesh);
+    int is_list = PyList_CheckExact(a);
+    if (is_list || PyTuple_CheckExact(a)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+        PyObject **items = PySequence_Fast_ITEMS(a);
+        PyObject *seq = is_list ? PyList_New(n) : PyTuple_New(n);
+        if (seq == NULL) return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *b = items[i], *loc;
+            if (Py_TYPE(b) == dtensor_type) {
+                loc = unwrap(b, mesh);
+                if (loc == NULL || loc == NOT_HANDLED) { Py_DECREF(seq); return loc; }
+            } else if (PyList_CheckExact(b) || PyTuple_CheckExact(b)) {
+                Py_DECREF(seq);
+                return NOT_HANDLED;
+            } else {
+                Py_INCREF(b);
+                loc = b;
+            }
+            if (is_list) PyList_SET_ITEM(seq, i, loc); else PyTuple_SET_ITEM(seq, i, loc);
+        }
+        return seq;
+    }
+    Py_INCREF(a);
+    return a;
+}
+
+static PyObject *wrap(PyObject *out, PyObject *mesh) {
+    PyObject *shape = PyObject_GetAttr(out, s_shape);
+    if (shape == NULL) return NULL;
+    PyObject *res = NULL, *layout = NULL, *dtype = NULL, *device = NULL;
+    PyObject *ndim = PyLong_FromSsize_t(PyTuple_GET_SIZE(shape));
+    PyObject *cache = PyObject_GetAttr(mesh, s_replicated_layouts);
+    if (ndim == NULL || cache == NULL) goto done;
+    layout = PyDict_GetItemWithError(cache, ndim);
+    if (layout != NULL) {
+        Py_INCREF(layout);
+    } else if (PyErr_Occurred()) {
+        goto done;
+    } else {
+        layout = PyObject_CallFunctionObjArgs(replicate_layout, mesh, ndim, NULL);
+        if (layout == NULL) goto done;
+    }
+    dtype = PyObject_GetAttr(out, s_dtype);
+    device = PyObject_GetAttr(out, s_device);
+    if (dtype == NULL || device == NULL) goto done;
+    {
+        PyObject *argv[8] = {(PyObject *)dtensor_type, shape, Py_None, Py_None, Py_None, dtype, strided, device};
+        res = PyObject_Vectorcall(make_wrapper, argv, 8, NULL);
+    }
+    if (res == NULL) goto done;
+    if (PyObject_SetAttr(res, s_local, out) < 0 || PyObject_SetAttr(res, s_layout, layout) < 0 ||
+        PyObject_SetAttr(res, s_global_shape, shape) < 0) {
+        Py_CLEAR(res);
+    }
+done:
+    Py_XDECREF(device);
+    Py_XDECREF(dtype);
+    Py_XDECREF(layout);
+    Py_XDECREF(cache);
+    Py_XDECREF(ndim);
+    Py_DECREF(shape);
+    return res;
+}
+
+/* An in-place write into a view that was taken of a redistributed copy must raise: the Python path does. */
+static int write_is_lost(PyObject *target) {
+    if (Py_TYPE(target) != dtensor_type) return 0;
+    PyObject *dict = PyObject_GenericGetDict(target, NULL);
+    if (dict == NULL) { PyErr_Clear(); return 1; }
+    PyObject *view = PyDict_GetItemWithError(dict, s_view_of);
+    int lost = (view == Py_False) || (view == NULL && PyErr_Occurred());
+    PyErr_Clear();
+    Py_DECREF(dict);
+    return lost;
+}
+
+/* dispatcher._replicated_local(func, args, kwargs, grad=False, inplace): a new reference, NOT_HANDLED, or NULL. */
+static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwargs) {
+    PyObject *inplace = PyDict_GetItemWithError(fast_funcs, func);  /* borrowed: Py_True for in-place ops */
+    if (inplace == NULL) { PyErr_Clear(); return NOT_HANDLED; }  /* unhashable funcs are simply not fast */
+    PyObject *g = PyObject_CallNoArgs(grad_enabled);
+    if (g == NULL) return NULL;
+    int grad = (g == Py_True);
+    Py_DECREF(g);
+    if (grad || !PyTuple_Check(args)) return NOT_HANDLED;
+    if (kwargs != NULL && kwargs != Py_None) {
+        if (!PyDict_Check(kwargs)) return NOT_HANDLED;
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            if (PyObject_TypeCheck(v, tensor_type) || PyList_CheckExact(v) || PyTuple_CheckExact(v)) return NOT_HANDLED;
+        }
+        if (PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;
+    } else {
+        kwargs = NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *mesh = NULL;
+    PyObject *locs = PyTuple_New(n);
+    if (locs == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *loc = local_arg(PyTuple_GET_ITEM(args, i), &mesh);
+        if (loc == NULL || loc == NOT_HANDLED) {
+            Py_DECREF(locs);
+            Py_XDECREF(mesh);
+            return loc;
+        }
+        PyTuple_SET_ITEM(locs, i, loc);
+    }
+    if (mesh == NULL || (inplace == Py_True && write_is_lost(PyTuple_GET_ITEM(args, 0)))) {
+        Py_DECREF(locs);
+        Py_XDECREF(mesh);
+        return NOT_HANDLED;
+    }
+    PyObject *out = PyObject_Call(func, locs, kwargs);
+    PyObject *res = NULL;
+    if (out == NULL) goto done;
+    if (Py_TYPE(out) != tensor_type) {
+        res = PyObject_CallFunctionObjArgs(wrap_other, out, mesh, Py_False, NULL);
+    } else if (n > 0 && Py_TYPE(PyTuple_GET_ITEM(args, 0)) == dtensor_type && out == PyTuple_GET_ITEM(locs, 0)) {
+        res = PyTuple_GET_ITEM(args, 0);  /* `x.to(x.dtype)`: the same tensor, as torch returns it */
+        Py_INCREF(res);
+    } else {
+        res = wrap(out, mesh);
+    }
+done:
+    Py_XDECREF(out);
+    Py_DECREF(locs);
+    Py_DECREF(mesh);
+    return res;
+}
+
+/* __torch_function__(cls, func, types, args=(), kwargs=None), bound as a classmethod. */
+static PyObject *torch_function(PyObject *module, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
+    if (python_path == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "hyper_parallel._fastpath used before configure()");
+        return NULL;
+    }
+    if (kwnames == NULL && nargs >= 4) {
+        PyObject *res = replicated_local(argv[1], argv[3], nargs >= 5 ? argv[4] : NULL);
+        if (res != NOT_HANDLED) return res;
+    }
+    return PyObject_Vectorcall(python_path, argv, nargs, kwnames);
+}
+
+/* tp_getattr of the DTensor type. torch (on Python < 3.13) asks every tensor argument of every call for
+   "__torch_function__" with a C string, through tp_getattr when the type has one and otherwise by building
+   a new Python string each time, then hashing it and searching the type's MRO with it. Answering that one
+   name with an interned string turns the search into cache hits; Python code itself never uses this slot. */
+static PyObject *s_torch_function;
+
+static PyObject *dtensor_getattr(PyObject *obj, char *name) {
+    if (strcmp(name, "__torch_function__") == 0) return PyObject_GetAttr(obj, s_torch_function);
+    PyObject *s = PyUnicode_FromString(name);
+    if (s == NULL) return NULL;
+    PyObject *res = PyObject_GetAttr(obj, s);
+    Py_DECREF(s);
+    return res;
+}
+
+static PyObject *configure(PyObject *module, PyObject *args) {
+    PyObject *dt, *tt, *ff, *pp, *ge, *mw, *st, *wo, *rl;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOOOOO:configure", &PyType_Type, &dt, &PyType_Type, &tt, &PyDict_Type, &ff,
+                          &pp, &ge, &mw, &st, &wo, &rl))
+        return NULL;
+    PyObject **slots[] = {(PyObject **)&dtensor_type, (PyObject **)&tensor_type, &fast_funcs, &python_path,
+                          &grad_enabled, &make_wrapper, &strided, &wrap_other, &replicate_layout};
+    PyObject *vals[] = {dt, tt, ff, pp, ge, mw, st, wo, rl};
+    for (int i = 0; i < 9; i++) {
+        Py_INCREF(vals[i]);
+        Py_XSETREF(*slots[i], vals[i]);
+    }
+    if (dtensor_type->tp_getattr == NULL) dtensor_type->tp_getattr = dtensor_getattr;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"torch_function", (PyCFunction)(void (*)(void))torch_function, METH_FASTCALL | METH_KEYWORDS,
+     "DTensor.__torch_function__: the replicated no-grad path in C, everything else in Python."},
+    {"configure", configure, METH_VARARGS, "Hand the module the Python objects it works with."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    PyObject **names[] = {&s_local, &s_layout, &s_shape, &s_global_shape, &s_is_replicate, &s_mesh, &s_replicated_layouts,
+                          &s_dtype, &s_device};
+    const char *texts[] = {"_local", "_layout", "shape", "_shape", "is_replicate", "mesh", "replicated_layouts",
+                           "dtype", "device"};
+    for (int i = 0; i < 9; i++) {
+        *names[i] = PyUnicode_InternFromString(texts[i]);
+        if (*names[i] == NULL) return NULL;
+    }
+    s_torch_function = PyUnicode_InternFromString("__torch_function__");
+    s_view_of = PyUnicode_InternFromString("_view_of");
+    if (s_torch_function == NULL || s_view_of == NULL) return NULL;
+    return PyModule_Create(&moduledef);
+}

@@ -1,0 +1,254 @@
+"""The replicated fast path (Python and its C twin) and the autograd shortcut, each against plain torch.
+
+Every test that runs ops takes the `path` fixture, so it runs once with the C accelerator installed as
+DTensor.__torch_function__ and once with the pure-Python dispatcher.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyper_parallel as hp
+from hyper_parallel.dispatch import count_calls, dispatcher
+from hyper_parallel.dtensor.dtensor import DTensor
+import hyper_parallel.dispatch as dispatch_pkg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+L = hp.Layout((1,), ("tp",))
+
+
+def rep(t: torch.Tensor) -> DTensor:
+    return hp.DTensor.from_local(t, L(*["None"] * t.ndim))
+
+
+def test_the_c_accelerator_is_built_and_installed():
+    """scripts/setup.sh builds it; without it every call would take the slower Python twin, silently."""
+    from hyper_parallel.dispatch import _fastpath
+    assert dispatch_pkg._fastpath is _fastpath
+    assert DTensor.__torch_function__.__func__ is _fastpath.torch_function
+
+
+@pytest.fixture(params=["c", "python"])
+def path(request):
+    if request.param == "c":
+        assert dispatch_pkg._fastpath is not None, "the C accelerator was not built (run scripts/setup.sh)"
+        impl = dispatch_pkg._fastpath.torch_function
+    else:
+        impl = dispatcher.torch_function
+    saved = DTensor.__dict__["__torch_function__"]
+    DTensor.__torch_function__ = classmethod(impl)
+    dispatcher.clear_caches()
+    yield request.param
+    DTensor.__torch_function__ = saved
+    dispatcher.clear_caches()
+
+
+def _both(fn, *plain):
+    """fn on plain tensors and on replicated DTensors; the DTensor results' full values and shapes."""
+    want = fn(*plain)
+    got = fn(*[rep(t) for t in plain])
+    return want, got
+
+
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_replicated_ops_match_plain(path, grad_mode):
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    cases = {
+        "add": lambda a, b: a + b,
+        "method with scalar": lambda a, b: a.mul(2.5).sub(b),
+        "view": lambda a, b: a.view(6, 4),
+        "getitem with tuple": lambda a, b: a[:, 1:, None, ::2],
+        "cat of a list": lambda a, b: torch.cat([a, b], dim=-1),
+        "stack of a tuple": lambda a, b: torch.stack((a, b)),
+        "tuple output": lambda a, b: a.max(dim=-1),
+        "kwargs without tensors": lambda a, b: a.mean(-1, keepdim=True),
+        "tensor in kwargs": lambda a, b: torch.where(a > 0, a, other=b),
+        "functional": lambda a, b: F.silu(a) * F.softmax(b, dim=-1),
+        "plain tensor mixed in": lambda a, b: a * y,
+    }
+    with torch.set_grad_enabled(grad_mode):
+        for name, fn in cases.items():
+            want, got = _both(fn, x, y)
+            if isinstance(want, torch.Tensor):
+                want, got = (want,), (got,)
+            else:
+                assert type(got) is type(want), name
+            for w, g in zip(want, got):
+                assert type(g) is DTensor and g.shape == w.shape, name
+                assert g.dist_layout.is_replicate, name
+                assert torch.equal(g.full_tensor(), w), name
+
+
+def test_an_op_returning_its_input_returns_the_same_dtensor(path):
+    x = rep(torch.randn(3, 4))
+    for grad_mode in (False, True):
+        with torch.set_grad_enabled(grad_mode):
+            assert x.to(x.dtype) is x and x.contiguous() is x
+
+
+def test_in_place_ops_without_grad(path):
+    """The optimizer's case: in-place updates of parameters that require grad, in no_grad."""
+    p0, g0 = torch.randn(5), torch.randn(5)
+    p = torch.nn.Parameter(rep(p0.clone()))
+    ref = p0.clone()
+    with torch.no_grad():
+        assert p.mul_(0.9) is p
+        p.add_(rep(g0), alpha=-0.1)
+        p.addcmul_(rep(g0), rep(g0), value=0.5)
+        ref.mul_(0.9).add_(g0, alpha=-0.1).addcmul_(g0, g0, value=0.5)
+    assert torch.equal(p.full_tensor(), ref) and p.requires_grad and p.is_leaf
+
+
+def test_mixed_meshes_are_refused(path):
+    other = hp.Layout((1,), ("dp",))
+    a = rep(torch.randn(3))
+    b = hp.DTensor.from_local(torch.randn(3), other("None"))
+    with torch.no_grad(), pytest.raises(ValueError, match="different meshes"):
+        a + b
+
+
+def test_count_calls(path):
+    a, b = rep(torch.randn(3)), rep(torch.randn(3))
+    with torch.no_grad(), count_calls() as counts:
+        (a + b).mul(2).sum()
+    assert counts["replicated"] == 3 and counts["hits"] == 0 and counts["misses"] == 0
+    with torch.no_grad():  # and the fast path is back afterwards
+        a + b
+    assert torch.Tensor.add in dispatcher._FAST or torch.Tensor.__add__ in dispatcher._FAST
+
+
+def test_view_made_without_grad_then_written_with_grad_is_refused_as_in_torch(path):
+    x = rep(torch.zeros(4))
+    with torch.no_grad():
+        v = x[:2]
+    y = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no_grad mode"):
+        v.copy_(rep(y) * 1)
+
+
+def test_write_through_a_view_gives_the_base_history(path):
+    y0 = torch.randn(2, 3)
+    yp = y0.clone().requires_grad_()
+    base = torch.zeros(2, 5)
+    base[:, 1:4].copy_(yp * 2)
+    (base * base).sum().backward()
+
+    y = rep(y0.clone()).requires_grad_()
+    k = rep(torch.zeros(2, 5))
+    k[:, 1:4].copy_(y * 2)
+    (k * k).sum().backward()
+    assert torch.allclose(k.full_tensor(), base.detach())
+    assert torch.allclose(y.grad.full_tensor(), yp.grad)
+
+
+# ---- autograd on activations: hooks, retain_grad, autograd.grad, backward(inputs=) ---------------
+def _net(x, w1, w2):
+    h = torch.tanh(x @ w1)
+    return h, (h @ w2).pow(2).sum()
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 4, generator=g), torch.randn(4, 5, generator=g), torch.randn(5, 2, generator=g)
+
+
+def _leaves(dist: bool):
+    x, w1, w2 = _params()
+    if dist:
+        return rep(x), torch.nn.Parameter(rep(w1)), torch.nn.Parameter(rep(w2))
+    return x, torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+
+
+def test_a_hook_on_an_activation_sees_and_changes_the_whole_gradient(path):
+    results = []
+    for dist in (False, True):
+        x, w1, w2 = _leaves(dist)
+        h = torch.tanh(x @ w1)
+        seen = []
+        h.register_hook(lambda g: (seen.append(g), g * 3)[1])
+        ((h @ w2).pow(2).sum() + h.sum()).backward()  # two consumers of h, both after the hook
+        results.append((seen, w1.grad, w2.grad))
+    (ref_seen, ref_g1, ref_g2), (seen, g1, g2) = results
+    assert len(seen) == 1 and type(seen[0]) is DTensor
+    assert torch.allclose(seen[0].full_tensor(), ref_seen[0])
+    assert torch.allclose(g1.full_tensor(), ref_g1) and torch.allclose(g2.full_tensor(), ref_g2)
+
+
+def test_retain_grad_on_an_activation(path):
+    grads = []
+    for dist in (False, True):
+        x, w1, w2 = _leaves(dist)
+        h, loss = _net(x, w1, w2)
+        h.retain_grad()
+        loss.backward(retain_graph=True)
+        loss.backward()  # accumulates, as torch does
+        grads.append(h.grad)
+    assert type(grads[1]) is DTensor and torch.allclose(grads[1].full_tensor(), grads[0])
+
+
+def test_autograd_grad_of_activations_and_parameters(path):
+    res = []
+    for dist in (False, True):
+        x, w1, w2 = _leaves(dist)
+        h, loss = _net(x, w1, w2)
+        res.append(torch.autograd.grad(loss, [h, w1]))
+    for want, got in zip(*res):
+        assert type(got) is DTensor and torch.allclose(got.full_tensor(), want)
+
+
+def test_backward_with_inputs_an_activation(path):
+    res = []
+    for dist in (False, True):
+        x, w1, w2 = _leaves(dist)
+        h, loss = _net(x, w1, w2)
+        loss.backward(inputs=[h, w2])
+        res.append((h.grad, w2.grad, w1.grad))
+    (rh, r2, r1), (gh, g2, g1) = res
+    assert r1 is None and g1 is None
+    assert torch.allclose(gh.full_tensor(), rh) and torch.allclose(g2.full_tensor(), r2)
+
+
+def test_a_plain_tensor_that_requires_grad_mixed_into_replicated_ops(path):
+    x0, w0 = torch.randn(3, 4), torch.randn(4)
+    w_ref = w0.clone().requires_grad_()
+    (torch.tanh(x0 * w_ref)).sum().backward()
+    w = w0.clone().requires_grad_()
+    (torch.tanh(rep(x0) * w)).sum().backward()
+    assert type(w.grad) is torch.Tensor and torch.allclose(w.grad, w_ref.grad)
+
+
+def test_to_local_without_grad_has_no_history(path):
+    x, w1, _ = _leaves(True)
+    h = x @ w1
+    with torch.no_grad():
+        assert not h.to_local().requires_grad
+    assert h.to_local().requires_grad
+
+
+# ---- whole models ----------------------------------------------------------------------------------
+def test_every_model_replicated_unrecorded_equals_plain():
+    """The requirement's single-card scenario as a user runs it (no census recording): C path, fast paths."""
+    from hyper_parallel.tools.census import run_census
+    report = run_census("all", "all", max_new_tokens=3, record=False)
+    bad = [f"{r.model}/{r.mode}: {r.error.splitlines()[-1] if r.error else r.detail}" for r in report.runs
+           if not r.ok]
+    assert len(report.runs) == 24 and not bad, bad
+
+
+def test_pure_python_dispatcher_equals_plain_on_models():
+    """HYPER_PARALLEL_PURE_PYTHON=1 (no C accelerator): the same models, the same results."""
+    code = (
+        "import hyper_parallel.dispatch as d; assert d._fastpath is None\n"
+        "from hyper_parallel.tools.census import run_census\n"
+        "r = run_census(['llama', 'qwen3_moe', 'qwen3_vl', 't5'], 'all', max_new_tokens=3, record=False)\n"
+        "bad = [(x.model, x.mode, x.error or x.detail) for x in r.runs if not x.ok]\n"
+        "assert len(r.runs) == 8 and not bad, bad\n"
+        "print('ok')\n")
+    env = dict(os.environ, HYPER_PARALLEL_PURE_PYTHON="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
