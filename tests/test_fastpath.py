@@ -221,6 +221,23 @@ def test_a_plain_tensor_that_requires_grad_mixed_into_replicated_ops(path):
     assert type(w.grad) is torch.Tensor and torch.allclose(w.grad, w_ref.grad)
 
 
+def test_dtensors_in_kwargs_with_grad(path):
+    """F.layer_norm(x, shape, weight=w, bias=b): parameters that require grad passed by keyword."""
+    x0, w0, b0 = torch.randn(3, 4), torch.randn(4), torch.randn(4)
+    res = []
+    for dist in (False, True):
+        wrap = rep if dist else (lambda t: t)
+        w, b = torch.nn.Parameter(wrap(w0.clone())), torch.nn.Parameter(wrap(b0.clone()))
+        out = F.layer_norm(wrap(x0), (4,), weight=w, bias=b)
+        out.pow(2).sum().backward()
+        res.append((out, w.grad, b.grad))
+        with torch.no_grad():
+            res.append((F.layer_norm(wrap(x0), (4,), weight=w, bias=b),))
+    for want, got in zip(res[:2], res[2:]):
+        for w, g in zip(want, got):
+            assert type(g) is DTensor and torch.allclose(g.full_tensor(), w.detach(), atol=1e-6)
+
+
 def test_to_local_without_grad_has_no_history(path):
     x, w1, _ = _leaves(True)
     h = x @ w1

@@ -20,8 +20,8 @@ def _accelerated():
         from . import _fastpath
     except ImportError:
         return None
-    _fastpath.configure(DTensor, torch.Tensor, dispatcher._FAST, torch_function, torch.is_grad_enabled,
-                        torch.Tensor._make_wrapper_subclass, torch.strided, dispatcher._wrap_replicated,
+    _fastpath.configure(DTensor, torch.Tensor, dispatcher._FAST, dispatcher.torch_function_after_c,
+                        torch.is_grad_enabled, torch.Tensor._make_wrapper_subclass, torch.strided, dispatcher._wrap_replicated,
                         replicate_layout)
     return _fastpath
 

@@ -15,7 +15,7 @@
 static PyTypeObject *dtensor_type;    /* hyper_parallel DTensor */
 static PyTypeObject *tensor_type;     /* torch.Tensor */
 static PyObject *fast_funcs;          /* dict func -> in-place?: funcs whose rule runs replicated inputs locally */
-static PyObject *python_path;         /* dispatcher.torch_function(cls, func, types, args, kwargs) */
+static PyObject *python_path;         /* dispatcher.torch_function_after_c(cls, func, types, args, kwargs) */
 static PyObject *grad_enabled;        /* torch.is_grad_enabled */
 static PyObject *make_wrapper;        /* torch.Tensor._make_wrapper_subclass */
 static PyObject *strided;             /* torch.strided */
@@ -139,50 +139,54 @@ static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwar
     int grad = (g == Py_True);
     Py_DECREF(g);
     if (grad || !PyTuple_Check(args)) return NOT_HANDLED;
-    if (kwargs != NULL && kwargs != Py_None) {
-        if (!PyDict_Check(kwargs)) return NOT_HANDLED;
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(kwargs, &pos, &k, &v)) {
-            if (PyObject_TypeCheck(v, tensor_type) || PyList_CheckExact(v) || PyTuple_CheckExact(v)) return NOT_HANDLED;
-        }
-        if (PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;
-    } else {
-        kwargs = NULL;
-    }
+    if (kwargs == Py_None) kwargs = NULL;
+    if (kwargs != NULL && !PyDict_Check(kwargs)) return NOT_HANDLED;
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    PyObject *mesh = NULL;
+    PyObject *mesh = NULL, *local_kwargs = NULL, *out = NULL, *res = NOT_HANDLED;
     PyObject *locs = PyTuple_New(n);
     if (locs == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *loc = local_arg(PyTuple_GET_ITEM(args, i), &mesh);
-        if (loc == NULL || loc == NOT_HANDLED) {
-            Py_DECREF(locs);
-            Py_XDECREF(mesh);
-            return loc;
-        }
+        if (loc == NULL || loc == NOT_HANDLED) { res = loc; goto done; }
         PyTuple_SET_ITEM(locs, i, loc);
     }
-    if (mesh == NULL || (inplace == Py_True && write_is_lost(PyTuple_GET_ITEM(args, 0)))) {
-        Py_DECREF(locs);
-        Py_XDECREF(mesh);
-        return NOT_HANDLED;
+    if (kwargs != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            if (Py_TYPE(v) == dtensor_type) {
+                PyObject *loc = unwrap(v, &mesh);
+                if (loc == NULL || loc == NOT_HANDLED) { res = loc; goto done; }
+                if (local_kwargs == NULL && (local_kwargs = PyDict_Copy(kwargs)) == NULL) {
+                    Py_DECREF(loc);
+                    res = NULL;
+                    goto done;
+                }
+                int failed = PyDict_SetItem(local_kwargs, k, loc) < 0;
+                Py_DECREF(loc);
+                if (failed) { res = NULL; goto done; }
+            } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
+                goto done;
+            }
+        }
     }
-    PyObject *out = PyObject_Call(func, locs, kwargs);
-    PyObject *res = NULL;
-    if (out == NULL) goto done;
-    if (Py_TYPE(out) != tensor_type) {
+    if (mesh == NULL || n == 0 || (inplace == Py_True && write_is_lost(PyTuple_GET_ITEM(args, 0)))) goto done;
+    out = PyObject_Call(func, locs, local_kwargs != NULL ? local_kwargs : kwargs);
+    if (out == NULL) {
+        res = NULL;
+    } else if (Py_TYPE(out) != tensor_type) {
         res = PyObject_CallFunctionObjArgs(wrap_other, out, mesh, Py_False, NULL);
-    } else if (n > 0 && Py_TYPE(PyTuple_GET_ITEM(args, 0)) == dtensor_type && out == PyTuple_GET_ITEM(locs, 0)) {
-        res = PyTuple_GET_ITEM(args, 0);  /* `x.to(x.dtype)`: the same tensor, as torch returns it */
+    } else if (Py_TYPE(PyTuple_GET_ITEM(args, 0)) == dtensor_type && out == PyTuple_GET_ITEM(locs, 0)) {
+        res = PyTuple_GET_ITEM(args, 0);  /* in-place ops, `x.to(x.dtype)`: the same tensor, as torch returns it */
         Py_INCREF(res);
     } else {
         res = wrap(out, mesh);
     }
 done:
     Py_XDECREF(out);
+    Py_XDECREF(local_kwargs);
     Py_DECREF(locs);
-    Py_DECREF(mesh);
+    Py_XDECREF(mesh);
     return res;
 }
 

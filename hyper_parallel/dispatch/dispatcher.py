@@ -310,6 +310,15 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         out = _replicated_local(func, args, kwargs, False, inplace)
         if out is not _NOT_HANDLED:
             return out
+    return _after_no_grad_path(func, args, kwargs, inplace, grad_mode)
+
+
+def torch_function_after_c(cls, func, types, args=(), kwargs=None):
+    """Where the C twin hands a call on: it has tried exactly what `_replicated_local` tries without grad."""
+    return _after_no_grad_path(func, args, kwargs, _FAST.get(func), _is_grad_enabled())
+
+
+def _after_no_grad_path(func, args, kwargs, inplace, grad_mode):
     with _DisableTF():  # from here on, reads of the wrappers' properties (requires_grad) are the wrappers'
         if inplace is not None:
             if grad_mode:
@@ -338,8 +347,9 @@ def _replicated_local(func, args, kwargs, grad, inplace):
     `grad` is grad mode. Without it, the path reads only the wrappers' own attributes and calls the op on
     plain tensors, so it needs no DisableTorchFunctionSubclass (and has a C twin, _fastpath.c). With it,
     inputs that require grad enter through `local_input` and a result that requires grad is wrapped by
-    `Wrap`. Anything it does not cover (a split, mixed-mesh input, tensors in kwargs, deeper nesting, an
-    in-place op that autograd must see) returns _NOT_HANDLED before running anything."""
+    `Wrap`. DTensors are looked for among the positional arguments, one level into their lists and tuples,
+    and among keyword arguments. Anything it does not cover (a split or mixed-mesh input, a list in kwargs,
+    deeper nesting, an in-place op that autograd must see) returns _NOT_HANDLED before running anything."""
     mesh = None
     locs = []
     needs = None  # (position, index in a list or -1) of the DTensor inputs that require grad
@@ -373,19 +383,36 @@ def _replicated_local(func, args, kwargs, grad, inplace):
             if grad and inplace and isinstance(a, Tensor) and a.requires_grad:
                 return _NOT_HANDLED
             locs.append(a)
-    if mesh is None:  # a DTensor we did not scan (in kwargs, say): the general path finds it
-        return _NOT_HANDLED
+    given_kwargs = kwargs
     if kwargs:
-        for v in kwargs.values():
-            if isinstance(v, Tensor) or type(v) is list or type(v) is tuple:
+        local_kwargs = None
+        for k, v in kwargs.items():
+            t = type(v)
+            if t is DTensor:
+                mesh = _same_replicated_mesh(v, mesh)
+                if mesh is None:
+                    return _NOT_HANDLED
+                if local_kwargs is None:
+                    local_kwargs = dict(kwargs)
+                local_kwargs[k] = v._local
+                if grad and v.requires_grad:
+                    needs = [(k, -1)] if needs is None else needs + [(k, -1)]
+            elif t is list or t is tuple or (grad and inplace and isinstance(v, Tensor) and v.requires_grad):
                 return _NOT_HANDLED
+        if local_kwargs is not None:
+            kwargs = local_kwargs
+    if mesh is None or not args:  # no DTensor where we looked, or only in kwargs: the general path
+        return _NOT_HANDLED
     a0 = args[0]
     if inplace and (needs is not None or getattr(a0, "_view_of", None) is False):
         return _NOT_HANDLED  # autograd must see the write, or it would not reach the original tensor
     if needs is not None:
         for i, j in needs:
-            if j < 0:
-                locs[i] = local_input(a0 if i == 0 else args[i], args[i]._layout, args[i]._layout)
+            if type(i) is str:  # a keyword argument (kwargs is already this call's own copy)
+                b = given_kwargs[i]
+                kwargs[i] = local_input(b, b._layout, b._layout)
+            elif j < 0:
+                locs[i] = local_input(args[i], args[i]._layout, args[i]._layout)
             else:
                 b = args[i][j]
                 seq = list(locs[i])
