@@ -2,9 +2,11 @@
 
     .venv/bin/python bench/dispatch_overhead.py [--iters 20000]
 
-One process, one thread, 64x64 fp32, a 1-rank mesh (gloo). "ours (replicated)" is the all-replicated
-fast path; "ours (decision cache)" uses Shard(0) on the 1-rank axis, so every call goes through the
-cached decision (key build, lookup, redistribution check, wrap) as a sharded call would.
+One process, one thread, 64x64 fp32, a 1-rank mesh (gloo), once in grad mode (inputs not requiring grad,
+a forward as written) and once under torch.no_grad() (inference, generate: the C fast path's case).
+"ours (replicated)" is the all-replicated fast path; "ours (decision cache)" uses Shard(0) on the 1-rank
+axis, so every call goes through the cached decision (key build, lookup, redistribution check, wrap) as
+a sharded call would.
 Cache miss: first call of a new (op, layout, shape) combination, median over fresh shapes.
 """
 from __future__ import annotations
@@ -61,12 +63,14 @@ def main() -> None:
         "view": lambda x, y: x.view(4096),
     }
     rows = []
-    for name, op in ops.items():
-        plain = per_call_us(lambda: op(a, b), args.iters)
-        torch_dt = per_call_us(lambda: op(ta, tb), args.iters // 4)
-        rep = per_call_us(lambda: op(ra, rb), args.iters // 2)
-        dec = per_call_us(lambda: op(sa, sb), args.iters // 2)
-        rows.append((name, plain, torch_dt, rep, dec))
+    for grad_mode in (True, False):  # a forward as written / under torch.no_grad() (generate, inference)
+        with torch.set_grad_enabled(grad_mode):
+            for name, op in ops.items():
+                plain = per_call_us(lambda: op(a, b), args.iters)
+                torch_dt = per_call_us(lambda: op(ta, tb), args.iters // 4)
+                rep = per_call_us(lambda: op(ra, rb), args.iters // 2)
+                dec = per_call_us(lambda: op(sa, sb), args.iters // 2)
+                rows.append(("grad mode" if grad_mode else "no_grad", name, plain, torch_dt, rep, dec))
 
     # cache misses: a new shape each call
     clear_caches()
@@ -80,11 +84,11 @@ def main() -> None:
     miss = statistics.median(misses)
 
     print(f"\ntorch {torch.__version__}, 1 thread, 64x64 fp32, per call (us), cache hits")
-    print(f"{'op':8} {'plain':>8} {'torch DT':>9} {'ours rep':>9} {'ours dec':>9} "
+    print(f"{'mode':10} {'op':8} {'plain':>8} {'torch DT':>9} {'ours rep':>9} {'ours dec':>9} "
           f"{'torchDT+':>9} {'ours+ rep':>9} {'ours+ dec':>9}")
-    for name, plain, tdt, rep, dec in rows:
-        print(f"{name:8} {plain:8.2f} {tdt:9.2f} {rep:9.2f} {dec:9.2f} {tdt - plain:9.2f} {rep - plain:9.2f} "
-              f"{dec - plain:9.2f}")
+    for mode, name, plain, tdt, rep, dec in rows:
+        print(f"{mode:10} {name:8} {plain:8.2f} {tdt:9.2f} {rep:9.2f} {dec:9.2f} {tdt - plain:9.2f} "
+              f"{rep - plain:9.2f} {dec - plain:9.2f}")
     print(f"\nadded cost = time minus plain; cache miss (new shape, add): median {miss:.0f} us; stats {STATS}")
     dist.destroy_process_group()
 

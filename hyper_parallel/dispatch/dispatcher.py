@@ -448,9 +448,10 @@ def _dispatch(func, args, kwargs, try_replicated=True):
     leaves = []
     flat = True  # tensors only directly among positional args: the hot path can skip rebuilding structure
     for a in args:
-        if isinstance(a, Tensor):
+        t = type(a)
+        if t is DTensor or isinstance(a, Tensor):
             leaves.append(a)
-        elif type(a) is list or type(a) is tuple:
+        elif t is list or t is tuple:
             flat = False
     if kwargs:
         for v in kwargs.values():
@@ -510,10 +511,12 @@ def _dispatch(func, args, kwargs, try_replicated=True):
             return res
         return _wrap_replicated(out, mesh, grad)
 
-    if flat and not kwargs:  # the common call: its key without a function call per argument
+    if flat and not kwargs:  # the common call: its key without a function call per tensor argument
         floats = rule.float_args_matter
-        key = (func, tuple([(a._layout, a._shape, a._local.dtype) if type(a) is DTensor
-                            else _argkey(a, floats) for a in args]), None)
+        parts = []
+        for a in args:  # a loop, not a comprehension: on Python 3.11 that would make a function per call
+            parts.append((a._layout, a._shape, a._local.dtype) if type(a) is DTensor else _argkey(a, floats))
+        key = (func, tuple(parts), None)
         try:
             dec = _CACHE.get(key)
         except TypeError:  # an unhashable argument: decide every time
@@ -546,11 +549,17 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         else:
             locs.append(redistribute_local(t, replicate_layout(mesh, t.ndim), target, tuple(t.shape)))
     if flat:
-        it = iter(locs)
-        largs, lkwargs = [next(it) if isinstance(a, Tensor) else a for a in args], kwargs
+        largs, lkwargs, k = [], kwargs, 0
+        for a in args:
+            if type(a) is DTensor or isinstance(a, Tensor):
+                largs.append(locs[k])
+                k += 1
+            else:
+                largs.append(a)
     else:
         largs, lkwargs = _swap_args(args, kwargs, locs)
-    out = (dec.local_fn or func)(*largs, **lkwargs)
+    fn = dec.local_fn or func
+    out = fn(*largs, **lkwargs) if lkwargs else fn(*largs)
     if inplace and type(args[0]) is DTensor:
         target = args[0]
         if dec.in_layouts[0] is not target._layout:
