@@ -85,6 +85,9 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m]
     backends = [b for b in args.backends.split(",") if b]
     metrics = [m for m in args.metrics.split(",") if m]
+    unknown = sorted(set(metrics) - set(METRICS))
+    if unknown:
+        raise SystemExit(f"unknown metric(s) {unknown}: choose from {','.join(METRICS)}")
     jobs = [(b, m, metric, n) for m in models for b in backends for metric in metrics for n in (0, args.calls)]
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {job: pool.submit(count, *job[:3], job[3], args.new_tokens, 29650 + i)

@@ -28,7 +28,7 @@ def test_the_c_accelerator_is_built_and_installed():
     """scripts/setup.sh builds it; without it every call would take the slower Python twin, silently."""
     from hyper_parallel.dispatch import _fastpath
     assert dispatch_pkg._fastpath is _fastpath
-    assert DTensor.__torch_function__.__func__ is _fastpath.torch_function
+    assert DTensor.__torch_function__ is _fastpath.torch_function
 
 
 @pytest.fixture(params=["c", "python"])
@@ -39,7 +39,7 @@ def path(request):
     else:
         impl = dispatcher.torch_function
     saved = DTensor.__dict__["__torch_function__"]
-    DTensor.__torch_function__ = classmethod(impl)
+    DTensor.__torch_function__ = staticmethod(impl)
     dispatcher.clear_caches()
     yield request.param
     DTensor.__torch_function__ = saved

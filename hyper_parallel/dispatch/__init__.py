@@ -5,7 +5,7 @@ import torch
 
 from ..dtensor import dtensor as _dtensor_module
 from ..dtensor.dtensor import DTensor
-from ..layout.layout import replicate_layout
+from ..layout.layout import Layout, replicate_layout
 from . import dispatcher
 from .engine_ops import engine_dispatch
 from .dispatcher import STATS, clear_caches, count_calls, torch_function
@@ -20,7 +20,7 @@ def _accelerated():
         from . import _fastpath
     except ImportError:
         return None
-    _fastpath.configure(DTensor, torch.Tensor, dispatcher._FAST, dispatcher.torch_function_after_c,
+    _fastpath.configure(DTensor, torch.Tensor, Layout, dispatcher._FAST, dispatcher.torch_function_after_c,
                         torch.is_grad_enabled, torch.Tensor._make_wrapper_subclass, torch.strided, dispatcher._wrap_replicated,
                         replicate_layout)
     return _fastpath
@@ -28,7 +28,7 @@ def _accelerated():
 
 _dtensor_module._engine_dispatch = engine_dispatch
 _fastpath = _accelerated()
-DTensor.__torch_function__ = classmethod(_fastpath.torch_function if _fastpath else torch_function)
+DTensor.__torch_function__ = staticmethod(_fastpath.torch_function if _fastpath else torch_function)
 
 __all__ = ["MissingOpError", "record_missing_ops", "register_ops", "load_builtin_rules", "STATS", "clear_caches",
            "count_calls"]

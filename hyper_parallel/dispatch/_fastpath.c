@@ -11,34 +11,83 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <structmember.h>
 
 static PyTypeObject *dtensor_type;    /* hyper_parallel DTensor */
 static PyTypeObject *tensor_type;     /* torch.Tensor */
 static PyObject *fast_funcs;          /* dict func -> in-place?: funcs whose rule runs replicated inputs locally */
-static PyObject *python_path;         /* dispatcher.torch_function_after_c(cls, func, types, args, kwargs) */
+static PyObject *python_path;         /* dispatcher.torch_function_after_c(func, types, args, kwargs) */
 static PyObject *grad_enabled;        /* torch.is_grad_enabled */
 static PyObject *make_wrapper;        /* torch.Tensor._make_wrapper_subclass */
 static PyObject *strided;             /* torch.strided */
 static PyObject *wrap_other;          /* dispatcher._wrap_replicated(out, mesh, False) */
 static PyObject *replicate_layout;    /* layout.replicate_layout(mesh, ndim) */
-static PyObject *s_view_of, *s_local, *s_layout, *s_shape, *s_global_shape, *s_is_replicate, *s_mesh, *s_replicated_layouts, *s_dtype,
-    *s_device;
+static PyObject *s_view_of, *s_shape, *s_replicated_layouts, *s_dtype, *s_device;
 
 /* Returned (never dereferenced, never exposed) when the call must take the Python path. */
 static char not_handled_mark;
 #define NOT_HANDLED ((PyObject *)&not_handled_mark)
 
+/* Attributes held in __slots__ (DTensor._local/_layout/_shape, Layout.is_replicate/mesh), read and written
+   at the offsets their member descriptors give, for objects of exactly the configured type; objects of any
+   other type (a subclass may add a property of the same name), or an unset slot, take the generic attribute
+   protocol. Found once, in configure(). */
+typedef struct {
+    PyObject *name;      /* interned */
+    PyTypeObject *type;  /* the exact type read this way; NULL before configure() */
+    Py_ssize_t offset;   /* 0: not a plain object slot, use the generic protocol */
+} Slot;
+
+static Slot dt_local, dt_layout, dt_shape, layout_is_replicate, layout_mesh;
+
+static int find_slot(Slot *slot, PyTypeObject *type) {
+    slot->type = type;
+    slot->offset = 0;
+    PyObject *d = PyObject_GetAttr((PyObject *)type, slot->name);
+    if (d == NULL) return -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY) && PyType_IsSubtype(type, PyDescr_TYPE(d)))
+            slot->offset = m->offset;
+    }
+    Py_DECREF(d);
+    return 0;
+}
+
+static PyObject *get_slot(PyObject *obj, const Slot *slot) {  /* new reference */
+    if (slot->offset && Py_TYPE(obj) == slot->type) {
+        PyObject *v = *(PyObject **)((char *)obj + slot->offset);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, slot->name);
+}
+
+static int set_slot(PyObject *obj, const Slot *slot, PyObject *value) {
+    if (slot->offset && Py_TYPE(obj) == slot->type) {
+        PyObject **p = (PyObject **)((char *)obj + slot->offset);
+        PyObject *old = *p;
+        Py_INCREF(value);
+        *p = value;
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(obj, slot->name, value);
+}
+
 /* The local tensor of a replicated DTensor on *mesh (set on first use); NOT_HANDLED if split or on
    another mesh; NULL on error. New reference. */
 static PyObject *unwrap(PyObject *dt, PyObject **mesh) {
-    PyObject *layout = PyObject_GetAttr(dt, s_layout);
+    PyObject *layout = get_slot(dt, &dt_layout);
     if (layout == NULL) return NULL;
-    PyObject *rep = PyObject_GetAttr(layout, s_is_replicate);
+    PyObject *rep = get_slot(layout, &layout_is_replicate);
     if (rep == NULL) { Py_DECREF(layout); return NULL; }
     int is_rep = (rep == Py_True);
     Py_DECREF(rep);
     if (!is_rep) { Py_DECREF(layout); return NOT_HANDLED; }
-    PyObject *m = PyObject_GetAttr(layout, s_mesh);
+    PyObject *m = get_slot(layout, &layout_mesh);
     Py_DECREF(layout);
     if (m == NULL) return NULL;
     if (*mesh == NULL) {
@@ -48,7 +97,7 @@ static PyObject *unwrap(PyObject *dt, PyObject **mesh) {
         Py_DECREF(m);
         if (!same) return NOT_HANDLED;
     }
-    return PyObject_GetAttr(dt, s_local);
+    return get_slot(dt, &dt_local);
 }
 
 /* One positional argument with DTensors replaced by their local tensors (lists/tuples one level deep). */
@@ -104,8 +153,8 @@ static PyObject *wrap(PyObject *out, PyObject *mesh) {
         res = PyObject_Vectorcall(make_wrapper, argv, 8, NULL);
     }
     if (res == NULL) goto done;
-    if (PyObject_SetAttr(res, s_local, out) < 0 || PyObject_SetAttr(res, s_layout, layout) < 0 ||
-        PyObject_SetAttr(res, s_global_shape, shape) < 0) {
+    if (set_slot(res, &dt_local, out) < 0 || set_slot(res, &dt_layout, layout) < 0 ||
+        set_slot(res, &dt_shape, shape) < 0) {
         Py_CLEAR(res);
     }
 done:
@@ -118,15 +167,18 @@ done:
     return res;
 }
 
-/* An in-place write into a view that was taken of a redistributed copy must raise: the Python path does. */
+/* An in-place write into a view that was taken of a redistributed copy must raise: the Python path does.
+   -1 on error. */
 static int write_is_lost(PyObject *target) {
     if (Py_TYPE(target) != dtensor_type) return 0;
-    PyObject *dict = PyObject_GenericGetDict(target, NULL);
-    if (dict == NULL) { PyErr_Clear(); return 1; }
-    PyObject *view = PyDict_GetItemWithError(dict, s_view_of);
-    int lost = (view == Py_False) || (view == NULL && PyErr_Occurred());
-    PyErr_Clear();
-    Py_DECREF(dict);
+    PyObject *view;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyObject_GetOptionalAttr(target, s_view_of, &view) < 0) return -1;
+#else
+    if (_PyObject_LookupAttr(target, s_view_of, &view) < 0) return -1;
+#endif
+    int lost = (view == Py_False);
+    Py_XDECREF(view);
     return lost;
 }
 
@@ -170,7 +222,12 @@ static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwar
             }
         }
     }
-    if (mesh == NULL || n == 0 || (inplace == Py_True && write_is_lost(PyTuple_GET_ITEM(args, 0)))) goto done;
+    if (mesh == NULL || n == 0) goto done;
+    if (inplace == Py_True) {
+        int lost = write_is_lost(PyTuple_GET_ITEM(args, 0));
+        if (lost < 0) { res = NULL; goto done; }
+        if (lost) goto done;
+    }
     out = PyObject_Call(func, locs, local_kwargs != NULL ? local_kwargs : kwargs);
     if (out == NULL) {
         res = NULL;
@@ -190,38 +247,51 @@ done:
     return res;
 }
 
-/* __torch_function__(cls, func, types, args=(), kwargs=None), bound as a classmethod. */
+/* __torch_function__(func, types, args=(), kwargs=None), installed as a staticmethod. */
 static PyObject *torch_function(PyObject *module, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
     if (python_path == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "hyper_parallel._fastpath used before configure()");
         return NULL;
     }
-    if (kwnames == NULL && nargs >= 4) {
-        PyObject *res = replicated_local(argv[1], argv[3], nargs >= 5 ? argv[4] : NULL);
+    if (kwnames == NULL && nargs >= 3) {
+        PyObject *res = replicated_local(argv[0], argv[2], nargs >= 4 ? argv[3] : NULL);
         if (res != NOT_HANDLED) return res;
     }
     return PyObject_Vectorcall(python_path, argv, nargs, kwnames);
 }
 
-/* tp_getattr of the DTensor type. torch (on Python < 3.13) asks every tensor argument of every call for
-   "__torch_function__" with a C string, through tp_getattr when the type has one and otherwise by building
-   a new Python string each time, then hashing it and searching the type's MRO with it. Answering that one
-   name with an interned string turns the search into cache hits; Python code itself never uses this slot. */
-static PyObject *s_torch_function;
+/* The tp_getattr slot of the DTensor type and of torch's tensor metaclass. torch (on Python < 3.13) asks every tensor
+   argument of every call, and the class of every wrapper it makes, for "__torch_function__" and
+   "__torch_dispatch__", and the torch.Tensor class for the method being called, by C string: through
+   tp_getattr when the type has one, and otherwise by building a
+   new, uninterned Python string each time, which misses CPython's attribute cache and searches the MRO
+   (and, for a class, its metaclass's MRO) dict by dict. Answering with interned strings turns those
+   searches into cache hits; Python code itself never uses this slot. */
+#define N_NAMES 8
+static const char *name_texts[N_NAMES];
+static PyObject *name_objs[N_NAMES];
 
-static PyObject *dtensor_getattr(PyObject *obj, char *name) {
-    if (strcmp(name, "__torch_function__") == 0) return PyObject_GetAttr(obj, s_torch_function);
-    PyObject *s = PyUnicode_FromString(name);
+static PyObject *getattr_by_c_string(PyObject *obj, char *name) {
+    int i = 0;
+    for (; i < N_NAMES && name_texts[i] != NULL; i++)
+        if (strcmp(name, name_texts[i]) == 0) return PyObject_GetAttr(obj, name_objs[i]);
+    PyObject *s = PyUnicode_InternFromString(name);
     if (s == NULL) return NULL;
+    if (i < N_NAMES) {  /* remember it: torch asks with a handful of constant names */
+        name_objs[i] = s;
+        name_texts[i] = PyUnicode_AsUTF8(s);
+        if (name_texts[i] == NULL) { name_objs[i] = NULL; Py_DECREF(s); return NULL; }
+        Py_INCREF(s);
+    }
     PyObject *res = PyObject_GetAttr(obj, s);
     Py_DECREF(s);
     return res;
 }
 
 static PyObject *configure(PyObject *module, PyObject *args) {
-    PyObject *dt, *tt, *ff, *pp, *ge, *mw, *st, *wo, *rl;
-    if (!PyArg_ParseTuple(args, "O!O!O!OOOOOO:configure", &PyType_Type, &dt, &PyType_Type, &tt, &PyDict_Type, &ff,
-                          &pp, &ge, &mw, &st, &wo, &rl))
+    PyObject *dt, *tt, *lt, *ff, *pp, *ge, *mw, *st, *wo, *rl;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOOOOO:configure", &PyType_Type, &dt, &PyType_Type, &tt, &PyType_Type, &lt,
+                          &PyDict_Type, &ff, &pp, &ge, &mw, &st, &wo, &rl))
         return NULL;
     PyObject **slots[] = {(PyObject **)&dtensor_type, (PyObject **)&tensor_type, &fast_funcs, &python_path,
                           &grad_enabled, &make_wrapper, &strided, &wrap_other, &replicate_layout};
@@ -230,7 +300,16 @@ static PyObject *configure(PyObject *module, PyObject *args) {
         Py_INCREF(vals[i]);
         Py_XSETREF(*slots[i], vals[i]);
     }
-    if (dtensor_type->tp_getattr == NULL) dtensor_type->tp_getattr = dtensor_getattr;
+    Slot *dt_slots[] = {&dt_local, &dt_layout, &dt_shape}, *layout_slots[] = {&layout_is_replicate, &layout_mesh};
+    for (int i = 0; i < 3; i++)
+        if (find_slot(dt_slots[i], dtensor_type) < 0) return NULL;
+    for (int i = 0; i < 2; i++)
+        if (find_slot(layout_slots[i], (PyTypeObject *)lt) < 0) return NULL;
+    if (dtensor_type->tp_getattr == NULL) dtensor_type->tp_getattr = getattr_by_c_string;
+    /* torch._C._TensorMeta: the same answers as its tp_getattro gives, found through the attribute cache. */
+    PyTypeObject *meta = Py_TYPE(tensor_type);
+    if (meta != &PyType_Type && meta->tp_getattr == NULL && meta->tp_getattro == PyType_Type.tp_getattro)
+        meta->tp_getattr = getattr_by_c_string;
     Py_RETURN_NONE;
 }
 
@@ -243,16 +322,15 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
-    PyObject **names[] = {&s_local, &s_layout, &s_shape, &s_global_shape, &s_is_replicate, &s_mesh, &s_replicated_layouts,
-                          &s_dtype, &s_device};
+    PyObject **names[] = {&dt_local.name, &dt_layout.name, &s_shape, &dt_shape.name, &layout_is_replicate.name,
+                          &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device};
     const char *texts[] = {"_local", "_layout", "shape", "_shape", "is_replicate", "mesh", "replicated_layouts",
                            "dtype", "device"};
     for (int i = 0; i < 9; i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL) return NULL;
     }
-    s_torch_function = PyUnicode_InternFromString("__torch_function__");
     s_view_of = PyUnicode_InternFromString("_view_of");
-    if (s_torch_function == NULL || s_view_of == NULL) return NULL;
+    if (s_view_of == NULL) return NULL;
     return PyModule_Create(&moduledef);
 }

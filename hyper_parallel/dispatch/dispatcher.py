@@ -303,7 +303,7 @@ def _finish_inplace(target, local_out, grad, name="an in-place op"):
     return target
 
 
-def torch_function(cls, func, types, args=(), kwargs=None):
+def torch_function(func, types, args=(), kwargs=None):
     inplace = _FAST.get(func)
     grad_mode = _is_grad_enabled()
     if inplace is not None and not grad_mode:
@@ -313,7 +313,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     return _after_no_grad_path(func, args, kwargs, inplace, grad_mode)
 
 
-def torch_function_after_c(cls, func, types, args=(), kwargs=None):
+def torch_function_after_c(func, types, args=(), kwargs=None):
     """Where the C twin hands a call on: it has tried exactly what `_replicated_local` tries without grad."""
     return _after_no_grad_path(func, args, kwargs, _FAST.get(func), _is_grad_enabled())
 

@@ -20,16 +20,20 @@ _Size = torch.Size
 class DTensor(torch.Tensor):
     """A global tensor laid out over a device mesh; every op sees single-device values and shapes."""
 
-    _local: torch.Tensor
-    _layout: Layout
-    _shape: tuple
+    # Slots, not instance-dict entries: a wrapper is made for every op's output, and a dict per wrapper
+    # costs an allocation, a GC-tracked object and a hash lookup on every read. Other attributes (`_is_param`,
+    # `_view_of`, users' own) still go to the lazily made __dict__.
+    __slots__ = ("_local", "_layout", "_shape")
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape=None, requires_grad: bool = False):
         shape = tuple(local.shape) if shape is None else tuple(shape)
         return make_dtensor(local, layout, shape, requires_grad)
 
-    __torch_function__ = None  # set by hyper_parallel.dispatch (one dispatch path for every op)
+    # Set by hyper_parallel.dispatch (one dispatch path for every op): a staticmethod, as torch's own
+    # _disabled_torch_function_impl is a plain builtin; a classmethod would make a bound method per lookup,
+    # and torch looks it up several times per op.
+    __torch_function__ = None
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
