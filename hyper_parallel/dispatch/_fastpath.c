@@ -260,13 +260,13 @@ static PyObject *torch_function(PyObject *module, PyObject *const *argv, Py_ssiz
     return PyObject_Vectorcall(python_path, argv, nargs, kwnames);
 }
 
-/* The tp_getattr slot of the DTensor type and of torch's tensor metaclass. torch (on Python < 3.13) asks every tensor
-   argument of every call, and the class of every wrapper it makes, for "__torch_function__" and
-   "__torch_dispatch__", and the torch.Tensor class for the method being called, by C string: through
-   tp_getattr when the type has one, and otherwise by building a
-   new, uninterned Python string each time, which misses CPython's attribute cache and searches the MRO
-   (and, for a class, its metaclass's MRO) dict by dict. Answering with interned strings turns those
-   searches into cache hits; Python code itself never uses this slot. */
+/* The tp_getattr slot of the DTensor type and of torch's tensor metaclass. torch (on Python < 3.13) asks, by
+   C string, every tensor argument of every call and the class of every wrapper it makes for
+   "__torch_function__" and "__torch_dispatch__", and the torch.Tensor class for the method being called.
+   It goes through tp_getattr when the type has one; otherwise it builds a new, uninterned Python string each
+   time, which misses CPython's attribute cache and searches the MRO (for a class, its metaclass's MRO too)
+   dict by dict. Answering with interned strings turns those searches into cache hits; Python code itself
+   never uses this slot. */
 #define N_NAMES 8
 static const char *name_texts[N_NAMES];
 static PyObject *name_objs[N_NAMES];
@@ -300,11 +300,11 @@ static PyObject *configure(PyObject *module, PyObject *args) {
         Py_INCREF(vals[i]);
         Py_XSETREF(*slots[i], vals[i]);
     }
-    Slot *dt_slots[] = {&dt_local, &dt_layout, &dt_shape}, *layout_slots[] = {&layout_is_replicate, &layout_mesh};
-    for (int i = 0; i < 3; i++)
-        if (find_slot(dt_slots[i], dtensor_type) < 0) return NULL;
-    for (int i = 0; i < 2; i++)
-        if (find_slot(layout_slots[i], (PyTypeObject *)lt) < 0) return NULL;
+    struct { Slot *slot; PyTypeObject *type; } found[] = {
+        {&dt_local, dtensor_type}, {&dt_layout, dtensor_type}, {&dt_shape, dtensor_type},
+        {&layout_is_replicate, (PyTypeObject *)lt}, {&layout_mesh, (PyTypeObject *)lt}};
+    for (int i = 0; i < 5; i++)
+        if (find_slot(found[i].slot, found[i].type) < 0) return NULL;
     if (dtensor_type->tp_getattr == NULL) dtensor_type->tp_getattr = getattr_by_c_string;
     /* torch._C._TensorMeta: the same answers as its tp_getattro gives, found through the attribute cache. */
     PyTypeObject *meta = Py_TYPE(tensor_type);
@@ -323,14 +323,12 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", NULL,
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     PyObject **names[] = {&dt_local.name, &dt_layout.name, &s_shape, &dt_shape.name, &layout_is_replicate.name,
-                          &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device};
+                          &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device, &s_view_of};
     const char *texts[] = {"_local", "_layout", "shape", "_shape", "is_replicate", "mesh", "replicated_layouts",
-                           "dtype", "device"};
-    for (int i = 0; i < 9; i++) {
+                           "dtype", "device", "_view_of"};
+    for (int i = 0; i < 10; i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL) return NULL;
     }
-    s_view_of = PyUnicode_InternFromString("_view_of");
-    if (s_view_of == NULL) return NULL;
     return PyModule_Create(&moduledef);
 }
