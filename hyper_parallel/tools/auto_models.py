@@ -408,7 +408,7 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
     placeholders: list = []
     image_id, video_id, audio_id = _token_id(cfg, "image"), _token_id(cfg, "video"), _token_id(cfg, "audio")
     start, end = _token_id(cfg, "vision_start"), _token_id(cfg, "vision_end")
-    if "image" in feed and "pixel_values" in params and (image_id is not None or head != "image-text-to-text"):
+    if "image" in feed and "pixel_values" in params:
         image = _image_inputs(model, cfg, params, gen, batch)
         if "image_sizes" not in feed:
             image.pop("image_sizes", None)
@@ -430,7 +430,7 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             placeholders += [[start, video_id, n // frames, end] for _ in range(frames)]
         else:
             placeholders.append([start, video_id, n, end])
-    if "audio" in feed and "input_features" in params and (audio_id is not None or head != "image-text-to-text"):
+    if "audio" in feed and "input_features" in params:
         audio = _audio_inputs(cfg, params, gen, batch)
         inputs.update(audio)
         if audio_id is not None:
