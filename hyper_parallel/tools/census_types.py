@@ -326,6 +326,14 @@ def _finish_job(job: _Job, timed_out: bool) -> TypeResult:
     return job.result
 
 
+def _head_name(model_type: str) -> str:
+    from .auto_models import head_of
+    try:
+        return head_of(model_type)[0]
+    except KeyError:
+        return ""
+
+
 def _preload() -> None:
     """Import what every type's build imports, once, before the children are forked (they inherit it): a
     model's first build otherwise spends seconds importing transformers' shared modules."""
@@ -387,7 +395,7 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
                 except Exception:
                     planned = True  # let the child say what fails
                 if not planned:
-                    report(TypeResult(t, skipped="no tp plan"))
+                    report(TypeResult(t, head=_head_name(t), skipped="no tp plan"))
                     continue
             running.append(_start(t, modes, max_new_tokens, seed, record, scenario, world))
         time.sleep(0.05)
