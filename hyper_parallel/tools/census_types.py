@@ -41,21 +41,21 @@ class TypeResult:
     def plain_ok(self) -> bool:
         return self.built and bool(self.runs) and all(r.plain_ok for r in self.runs)
 
-    @property
-    def ops(self) -> dict:
+    def _calls(self, which: str) -> dict:
+        """op -> calls over the runs, of `ops` (every op hit) or `missing` (those without a rule)."""
         out: dict = {}
         for r in self.runs:
-            for op, n in r.ops.items():
+            for op, n in getattr(r, which).items():
                 out[op] = out.get(op, 0) + n
         return out
 
     @property
+    def ops(self) -> dict:
+        return self._calls("ops")
+
+    @property
     def missing(self) -> dict:
-        out: dict = {}
-        for r in self.runs:
-            for op, n in r.missing.items():
-                out[op] = out.get(op, 0) + n
-        return out
+        return self._calls("missing")
 
     @property
     def equal(self) -> bool | None:
@@ -88,6 +88,9 @@ class TypeResult:
         """The one line that says what went wrong (empty when ok)."""
         if self.build_error:
             return _last_line(self.build_error)
+        for r in self.runs:  # a plain run that failed says why the type is not counted
+            if r.error and not r.plain_ok:
+                return f"{r.mode} (plain): {_last_line(r.error)}"
         for r in self.runs:
             if r.error:
                 return f"{r.mode}: {_last_line(r.error)}"
