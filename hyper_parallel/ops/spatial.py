@@ -66,4 +66,21 @@ class Pool(SignatureRule):
         return sigs
 
 
-__all__ = ["Roll", "OneHot", "Unfold", "Pool", "REPLICATE"]
+class GridSample(SignatureRule):
+    """`F.grid_sample(x [N, C, ...], grid [N, ..., k])`: each output point reads x at its grid location, so
+    x's spatial dims stay whole; the batch may be split (x and grid alike) and x's channels may be split
+    (grid replicated: every channel uses the same locations)."""
+
+    def signatures(self, call) -> list[Signature]:
+        if len(call.inputs) != 2:
+            return []
+        x, grid = call.inputs
+        sigs = []
+        if x.shape[0] > 1 and grid.shape[0] == x.shape[0]:
+            sigs.append(Signature([Shard(0)], [Shard(0), Shard(0)]))
+        if x.ndim > 2 and x.shape[1] > 1:
+            sigs.append(Signature([Shard(1)], [Shard(1), REPLICATE]))
+        return sigs
+
+
+__all__ = ["Roll", "OneHot", "Unfold", "Pool", "GridSample"]
