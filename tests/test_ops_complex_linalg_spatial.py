@@ -46,6 +46,8 @@ def _cases():
         ("solve_triangular right", lambda a, b: torch.linalg.solve_triangular(a, b, upper=True, left=False),
          [_upper(4), r(4, 6, 4)], [repl(2), lambda m: specs_for(m, 3)], True),
         ("roll", lambda t: torch.roll(t, 1, 1) + t.roll((1, 2), (0, 2)), [x], None, True),
+        ("flip", lambda t: t.flip(1) + torch.flip(t, (0, 2)), [x], None, True),
+        ("Tensor.unfold", lambda t: t.unfold(1, 2, 2), [x], None, True),
         ("roll flat", lambda t: torch.roll(t, 3), [x], None, True),
         ("one_hot", lambda t: F.one_hot(t, 5), [ids], [no_partial(2)], False),
         ("unfold", lambda t: F.unfold(t, 2, stride=2), [img], None, True),

@@ -9,12 +9,15 @@ _P = Partial("sum")
 
 
 class Roll(SignatureRule):
-    """`torch.roll(x, shifts, dims)`: the rolled dims stay whole, others may be split; a pending sum passes
-    (a roll is a permutation). Without `dims` the flattened tensor is rolled: every dim stays whole."""
+    """`torch.roll(x, shifts, dims)`, `x.flip(dims)` (`dims_index: 1`): the moved dims stay whole, others may
+    be split; a pending sum passes (a permutation). Without `dims` the flattened tensor is rolled: every dim
+    stays whole."""
+
+    dims_index = 2
 
     def signatures(self, call) -> list[Signature]:
         x = call.inputs[0]
-        dims = call.arg(2, "dims", None)
+        dims = call.arg(self.dims_index, "dims", None)
         sigs = [Signature([_P], [_P])]
         if dims is None or dims == ():
             return sigs
@@ -34,6 +37,20 @@ class OneHot(SignatureRule):
         if call.arg(1, "num_classes", -1) in (-1, None):
             return []
         return [Signature([Shard(d)], [Shard(d)]) for d in range(x.ndim) if x.shape[d] > 1]
+
+
+class TensorUnfold(SignatureRule):
+    """`x.unfold(dim, size, step)`: windows along `dim` (which stays whole) in a new last dim; the other dims
+    may stay split, and a pending sum passes (windows are copies)."""
+
+    def out_ndims(self, call) -> list[int]:
+        return [call.inputs[0].ndim + 1]
+
+    def signatures(self, call) -> list[Signature]:
+        x = call.inputs[0]
+        dim = call.arg(1, "dimension", 0) % max(x.ndim, 1)
+        sigs = [Signature([_P], [_P])]
+        return sigs + [Signature([Shard(d)], [Shard(d)]) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
 
 
 class Unfold(SignatureRule):
@@ -83,4 +100,4 @@ class GridSample(SignatureRule):
         return sigs
 
 
-__all__ = ["Roll", "OneHot", "Unfold", "Pool", "GridSample"]
+__all__ = ["Roll", "OneHot", "TensorUnfold", "Unfold", "Pool", "GridSample"]
