@@ -208,9 +208,14 @@ def _masked_write(call: OpCall) -> Strategy | None:
 
     def write(x_local, index, value):
         full = index[0] if isinstance(index, tuple) else index
+        if isinstance(value, torch.Tensor) and value.ndim == row_nd and value.shape[0] not in (1, int(full.sum())):
+            # decided from the replicated mask and rows, so every rank raises (torch's own error is per rank)
+            raise RuntimeError(f"x[mask] = rows: the mask selects {int(full.sum())} rows but {value.shape[0]} "
+                               f"were given")
         order = (full.flatten().cumsum(0) - 1).reshape(full.shape)
         mine = full[piece]
-        rows = value[order[piece][mine]] if isinstance(value, torch.Tensor) and value.ndim == row_nd else value
+        many = isinstance(value, torch.Tensor) and value.ndim == row_nd and value.shape[0] != 1  # 1 row broadcasts
+        rows = value[order[piece][mine]] if many else value
         x_local[mine] = rows
 
     ins = [lay] + [s.layout.replicated() for s in call.inputs[1:]]
