@@ -22,7 +22,9 @@ CASTS = ("half_float", "bf16_float", "double_float", "long_float", "int_float", 
 OPS = ("add_aux", "mul_scalar", "tanh", "exp", "relu", "neg", "matmul", "reshape_merge", "flatten", "expand_as",
        "view_as", "reshape_as", "sum_dim", "mean_dim", "sum_all", "mean_all", "softmax", "half_float",
        "bf16_float", "double_float", "long_float", "int_float", "bool_float", "transpose", "slice0", "select0",
-       "setitem", "unsqueeze", "sub_aux", "amax_dim")
+       "setitem", "unsqueeze", "sub_aux", "amax_dim", "cat_aux", "where_aux", "max_values", "cumsum",
+       "layer_norm", "clamp", "pow2", "argmax_float", "masked_fill", "rms_norm", "gather", "index_select",
+       "div_aux", "getitem_list")
 REDUCED = ("sum", "avg", "max")
 
 
@@ -175,6 +177,41 @@ class Run:
             v = self.aux(tuple(t[sl].shape), p >> 4, f"v{k}", partial_ok=False)
             t[sl] = v
             return t
+        if nd == 0:  # the ops below need a dim
+            return t
+        if op == "cat_aux":
+            shape = list(t.shape)
+            shape[dim] = 1 + p % 3
+            return torch.cat([t, self.aux(tuple(shape), p >> 2, f"cat{k}")], dim)
+        if op == "where_aux":
+            return torch.where(t > 0, t, self.aux(tuple(t.shape), p, f"where{k}"))
+        if op == "max_values":
+            return t.max(dim).values
+        if op == "cumsum":
+            return t.cumsum(dim)
+        if op == "layer_norm":
+            return torch.nn.functional.layer_norm(t, t.shape[-1:])
+        if op == "clamp":
+            return t.clamp(-0.5, 0.7)
+        if op == "pow2":
+            return t.pow(2)
+        if op == "argmax_float":
+            return t.argmax(dim).float()
+        if op == "masked_fill":
+            return t.masked_fill(t > 0.3, -1.0)
+        if op == "rms_norm":
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if op == "gather":
+            idx = torch.randint(0, t.shape[dim], t.shape, generator=self.gen) if t.shape[dim] else None
+            return t if idx is None else torch.gather(t, dim, idx)
+        if op == "index_select":
+            if not t.shape[dim]:
+                return t
+            return t.index_select(dim, torch.randint(0, t.shape[dim], (1 + p % 4,), generator=self.gen))
+        if op == "div_aux":
+            return t / (self.aux(tuple(t.shape[dim:]), p, f"div{k}").abs() + 1)
+        if op == "getitem_list":
+            return t[[i % t.shape[0] for i in range(1 + p % 3)]] if t.shape[0] else t
         raise ValueError(op)
 
 

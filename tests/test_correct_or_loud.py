@@ -94,8 +94,8 @@ def _partial_casts(rank, world):
 
 
 def test_cast_of_partial_reduces_unless_exact(dist2, dist4):
-    dist2.run(_partial_casts)
-    dist4.run(_partial_casts)
+    for pool in (dist2, dist4):
+        pool.run(_partial_casts)
 
 
 # ---- 3. x[slice] = v on a split dim -----------------------------------------------------------
@@ -125,8 +125,8 @@ def _with(x0, index, value):
 
 
 def test_setitem_on_split_dim_any_slice(dist2, dist4):
-    dist2.run(_split_setitem)
-    dist4.run(_split_setitem)
+    for pool in (dist2, dist4):
+        pool.run(_split_setitem)
 
 
 # ---- 4. from_local(run_check=True) raises on every rank -------------------------------------
