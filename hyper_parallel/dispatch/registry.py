@@ -288,10 +288,17 @@ def caller_location() -> str:
     return "?"
 
 
+GATHER_RULE = "hyper_parallel.ops.misc.Replicated"  # right for any layout: gather, run locally, replicate
+
+
 def missing_op_error(name: str, layouts: str) -> MissingOpError:
+    """The error for an op without a rule. The rule it suggests is correct whatever the op computes and
+    however its inputs are laid out (every input gathered, pending sums resolved, outputs replicated); a
+    faster rule that keeps inputs split must know the op, so the message points to how to write one."""
     return MissingOpError(
-        f"no distributed rule for {name} (inputs: {layouts}). Add it to a YAML file under "
-        f"hyper_parallel/ops/yaml/ (or your own file loaded with hyper_parallel.register_ops(path) or "
-        f"HYPER_PARALLEL_OPS_YAML_DIR), mapping '{name}' to a rule class, e.g. "
-        f"'{name}: {{rule: hyper_parallel.ops.elementwise.Elementwise}}'. "
+        f"no distributed rule for {name} (inputs: {layouts}). To run it correctly for any layout, gathering its "
+        f"inputs first, add '{name}: {{rule: {GATHER_RULE}}}' to a YAML file loaded with "
+        f"hyper_parallel.register_ops(path) or HYPER_PARALLEL_OPS_YAML_DIR (or under hyper_parallel/ops/yaml/). "
+        f"A rule that keeps inputs split must match what the op computes (an elementwise rule is wrong for an op "
+        f"that mixes positions): see \"Writing a rule\" in docs/architecture.md. "
         f"`hyper-parallel census --model NAME` lists every missing op of a model in one run.")
