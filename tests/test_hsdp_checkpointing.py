@@ -117,3 +117,93 @@ def test_shard_alone_with_checkpointing(dist2, reentrant):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_shard_and_hsdp_2d_with_checkpointing(dist4, reentrant):
     dist4.run(_cases, [("llama", level, True, reentrant) for level in ("level1", "level3")])
+
+
+# ---- property: random models, unit granularity, checkpoint placement and settings vs plain torch ----------
+class _Block(torch.nn.Module):
+    """One or more Linear+tanh layers; `inner` checkpoints its own body (module hooks stay outside)."""
+
+    def __init__(self, dims, inner, reentrant):
+        super().__init__()
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.inner, self.reentrant = inner, reentrant
+
+    def body(self, x):
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        return x
+
+    def forward(self, x):
+        if self.inner and self.training:
+            return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=self.reentrant)
+        return self.body(x)
+
+
+class _Net(torch.nn.Module):
+    """Blocks, some checkpointed around their whole call (their hooks run again in the recomputation)."""
+
+    def __init__(self, case):
+        super().__init__()
+        torch.manual_seed(case["seed"])
+        self.blocks = torch.nn.ModuleList(_Block(d, mode == "inner", case["reentrant"])
+                                          for d, mode in zip(case["dims"], case["modes"]))
+        self.modes, self.reentrant = case["modes"], case["reentrant"]
+        self.head = torch.nn.Linear(case["dims"][-1][-1], 3)
+        if case["block_units"]:
+            self._no_split_modules = ["_Block"]
+
+    def forward(self, x):
+        for block, mode in zip(self.blocks, self.modes):
+            if mode == "outer":
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+def _random_net_case(rank, world, case):
+    ref = _Net(case)
+    model = hp.hsdp(copy.deepcopy(ref), optimizer_level=case["level"], threshold=case["threshold"],
+                    comm_fusion=case["fusion"], comm_async=case["async"])
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.3), torch.optim.SGD(model.parameters(), lr=0.3)
+    gen = torch.Generator().manual_seed(case["seed"])
+    for step in range(2):
+        data = torch.randn(world, 3, case["dims"][0][0], generator=gen)
+        ref(data.reshape(-1, data.shape[-1]).requires_grad_()).square().mean().backward()
+        model(data[rank].clone().requires_grad_()).square().mean().backward()
+        got = dict(model.named_parameters())
+        for n, p in ref.named_parameters():
+            assert torch.allclose(got[n].grad.full_tensor(), p.grad, atol=TOL, rtol=0), (step, n, case)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    return True
+
+
+def test_property_random_checkpointed_models(dist2):
+    """Random widths and depths, checkpoints inside a block's forward or around its whole call, units per
+    block or per Linear, every level, threshold, fusion and async, reentrant or not: grads == plain."""
+    from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+    dims = st.lists(st.integers(1, 6), min_size=2, max_size=3)
+    cases = st.fixed_dictionaries({
+        "seed": st.integers(0, 10_000), "reentrant": st.booleans(), "block_units": st.booleans(),
+        "level": st.sampled_from(["level1", "level2", "level3"]), "threshold": st.sampled_from([0, 0.05, 64]),
+        "fusion": st.booleans(), "async": st.booleans(),
+        "blocks": st.lists(st.tuples(dims, st.sampled_from(["none", "inner", "outer"])), min_size=1, max_size=3)})
+
+    # no shrinking: a failure restarts the process pool, and the drawn case is printed as it is
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None, phases=(Phase.explicit, Phase.generate))
+    @given(cases)
+    def check(case):
+        blocks, chain, width = case.pop("blocks"), [], None
+        for d, _ in blocks:
+            d = [width or d[0]] + d[1:]  # each block starts where the previous one ended
+            chain.append(d)
+            width = d[-1]
+        case["dims"], case["modes"] = chain, [mode for _, mode in blocks]
+        dist2.run(_random_net_case, case)
+
+    check()
