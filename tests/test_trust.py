@@ -331,3 +331,79 @@ def _bad_hsdp_arguments(rank, world):
 
 def test_hsdp_refuses_invalid_arguments(dist2):
     dist2.run(_bad_hsdp_arguments)
+
+
+# ---- properties: any edit of an index or a rule file is loaded, or refused with the library's own error ----
+def _json_values():
+    from hypothesis import strategies as st
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-3, 20),
+                       st.sampled_from(["", "..", "../x.safetensors", "/etc/passwd", "float32", "load",
+                                        "rank00000.safetensors", "__tuple__", "w@0,0"]))
+    keys = st.sampled_from(["files", "tensors", "values", "pieces", "dtype", "shape", "__dtype__", "__tuple__",
+                            "bytes", "file", "w"])
+    return st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                         st.dictionaries(keys, inner, max_size=3)), max_leaves=6)
+
+
+def _nodes(obj, path=()):
+    yield path
+    children = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in children:
+        yield from _nodes(v, path + (k,))
+
+
+def test_property_edited_index_loads_or_raises_checkpoint_error(tmp_path):
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    path, fresh = _saved(tmp_path)
+    original = json.loads((path / "index.json").read_text())
+    paths = list(_nodes(original))[1:]
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    @given(st.sampled_from(paths), _json_values())
+    def check(where, value):
+        index = json.loads(json.dumps(original))
+        node = index
+        for k in where[:-1]:
+            node = node[k]
+        node[where[-1]] = value
+        (path / "index.json").write_text(json.dumps(index))
+        try:
+            ckpt.load(fresh(), path)
+        except CheckpointError:
+            pass
+
+    check()
+
+
+def test_property_any_rule_file_loads_or_raises_rule_file_error(tmp_path):
+    """Random YAML structures and rule names: a Rule instance is registered, or RuleFileError; nothing runs."""
+    import yaml
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    marker = tmp_path / "ran"
+    specs = st.sampled_from(["os.system", "builtins.exec", "subprocess.Popen", "hyper_parallel.ops.misc.Replicated",
+                             "hyper_parallel.ops.elementwise.Elementwise", "../x.py:R", "x.py:R", "os.path", 5, None])
+    entries = st.one_of(st.none(), st.integers(), st.lists(st.integers(), max_size=2), st.fixed_dictionaries(
+        {"rule": specs}, optional={"linear": st.sampled_from(["add", 1, None]), "accumulate": st.booleans(),
+                                   "cmd": st.just(f"touch {marker}")}))
+    files = st.one_of(st.dictionaries(st.sampled_from([OP, f"touch {marker}", "__default__", 1]), entries, max_size=3),
+                      st.lists(st.integers(), max_size=2), st.text(max_size=5))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    @given(files)
+    def check(data):
+        yml = _rules(tmp_path / "r", yaml.safe_dump(data))
+        try:
+            names = hp.register_ops(yml)
+        except RuleFileError:
+            names = []
+        try:
+            for name in names:
+                assert isinstance(registry.RULES[name], registry._rule_base())
+        finally:
+            for name in names:
+                registry.unregister(name)
+        assert not marker.exists()
+
+    check()

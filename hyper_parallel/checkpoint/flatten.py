@@ -101,7 +101,7 @@ def decode_value(v: Any, where: str = "a stored value") -> Any:
                 except TypeError:
                     raise CheckpointCorruptError(f"{where}: a dict key cannot be {k!r:.100}") from None
             return out
-        if tag == "__dtype__" and body in _DTYPES:
+        if tag == "__dtype__" and isinstance(body, str) and body in _DTYPES:
             return _DTYPES[body]
         raise CheckpointCorruptError(f"{where}: {v!r:.200} is not a value a checkpoint stores (tagged tuple, "
                                      f"float, dict, or a torch dtype name)")

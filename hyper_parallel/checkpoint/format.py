@@ -183,7 +183,7 @@ def check_index(index: dict, folder: Path, index_path: Path) -> None:
     for key, entry in index["tensors"].items():
         where = f"{index_path}: tensors[{key!r}]"
         _need(isinstance(entry, dict), where, "must be a mapping", entry)
-        _need(entry.get("dtype") in _TORCH_DTYPES, f"{where}['dtype']",
+        _need(isinstance(entry.get("dtype"), str) and entry["dtype"] in _TORCH_DTYPES, f"{where}['dtype']",
               f"must name a torch dtype safetensors stores ({', '.join(sorted(_TORCH_DTYPES))})", entry.get("dtype"))
         shape = entry.get("shape")
         _need(_int_list(shape), f"{where}['shape']", "must be a list of non-negative integers", shape)
@@ -194,8 +194,8 @@ def check_index(index: dict, folder: Path, index_path: Path) -> None:
         for i, piece in enumerate(pieces):
             pw = f"{where}['pieces'][{i}]"
             _need(isinstance(piece, dict), pw, "must be a mapping", piece)
-            _need(piece.get("file") in index["files"], f"{pw}['file']", "must be one of the index's 'files'",
-                  piece.get("file"))
+            _need(isinstance(piece.get("file"), str) and piece["file"] in index["files"], f"{pw}['file']",
+                  "must be one of the index's 'files'", piece.get("file"))
             _need(isinstance(piece.get("name"), str), f"{pw}['name']", "must be a string", piece.get("name"))
             _need(_is_int(piece.get("crc32")), f"{pw}['crc32']", "must be an integer", piece.get("crc32"))
             offsets, sizes = piece.get("offsets"), piece.get("sizes")
