@@ -21,9 +21,8 @@ ranks (times `grad_scale`), i.e. the gradient of the mean loss over the global b
 are equal. Full checkpoints: `model.full_state_dict()` / `model.load_full_state_dict(sd)` (rank 0).
 
 Limits: every rank must run the same modules (as with FSDP2); a parameter unused in a backward gets a
-zero gradient rather than None; casting or moving the model (`.to()`, `.half()`) after `hsdp` is not
-supported (do it before); gradient clipping and other whole-gradient ops run on the DTensor gradients
-and need the reduction op rules.
+zero gradient rather than None; `.to()`, `.half()`, `.float()`, `.cpu()` on the wrapped model are
+converted by `_apply` on the root, keeping the parameters' identity and sharding.
 """
 from __future__ import annotations
 
@@ -67,6 +66,17 @@ class HSDPModule:
         """Load plain full tensors (held by rank 0 only when `from_rank0`) into the shards."""
         from .state_dict import load_full_state_dict
         load_full_state_dict(self, state_dict, from_rank0)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype/device)`, `.float()`, `.half()`, `.cpu()`: convert hsdp's shards, full buffers and
+        compute parameters together (the parameters stay the same objects), then the module's buffers.
+        Call it on the root (the hsdp-wrapped) module."""
+        for unit in self._hsdp_state.units:
+            if unit.inflight is not None:
+                unit.gather()  # no collective left in flight
+        for p in self._hsdp_state.params:
+            p.convert(fn)
+        return super()._apply(fn, recurse)  # buffers; the parameters are already converted (fn is a no-op)
 
     def hsdp_held_tensors(self) -> list:
         """Every tensor hsdp holds for parameters and gradients (for memory accounting)."""
