@@ -110,3 +110,102 @@ def test_module_methods_2(family, how):
 
 def test_module_methods_shard_hsdp_4():
     pool(4).run(module_methods, "qwen3", "both")
+
+
+# ---- from_pretrained / save_pretrained ----------------------------------------------------------------
+def _generate(model, ids):
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    return _full(out)
+
+
+def _same_params(model, ref, atol=0.0):
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_full(p.detach()), want[name].detach(), atol=atol, rtol=0 if not atol else 1e-5,
+                                   msg=name)
+
+
+def _plain_load(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def pretrained_roundtrip(rank, world, family, tmp, max_shard_size):
+    """transformers folder -> hp.from_pretrained (tp, then dp) -> generate -> save_pretrained -> plain load."""
+    ref = tiny(family, tie=family == "qwen3").eval()
+    src = f"{tmp}/src"
+    if rank == 0:
+        ref.save_pretrained(src, max_shard_size=max_shard_size)
+    dist.barrier()
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    for how, mesh_names, kwargs in (("tp", ("tp",), {}), ("dp", ("dp",), {"hsdp": {"threshold": 0,
+                                                                                  "optimizer_level": "level3"}})):
+        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=mesh_names)
+        model = hp.from_pretrained(src, mesh, **kwargs)
+        assert not model.training
+        if family == "qwen3":
+            assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        if how == "tp":
+            assert any(p.dist_layout.sharded_axes for p in model.parameters())
+            assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+        _same_params(model, ref)
+        assert torch.equal(_generate(model, ids), want), how
+        out = f"{tmp}/out_{how}"
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+        if rank == 0:
+            import json
+            import os
+            files = sorted(os.listdir(out))
+            assert ("model.safetensors.index.json" in files) == (max_shard_size != "50GB"), files
+            plain = _plain_load(out).eval()
+            assert json.load(open(f"{out}/config.json"))["architectures"] == [type(ref).__name__]
+            _same_params(plain, ref)
+            assert torch.equal(plain.generate(ids, max_new_tokens=6, do_sample=False), want)
+        dist.barrier()
+
+
+@pytest.mark.parametrize("family,max_shard_size", [("llama", "50GB"), ("qwen3", "20KB")])
+def test_pretrained_roundtrip(tmp_path, family, max_shard_size):
+    pool(2).run(pretrained_roundtrip, family, str(tmp_path), max_shard_size)
+
+
+# ---- parallelize on a (dp, tp) mesh ----------------------------------------------------------------
+def parallelize_2x2(rank, world, family, tmp):
+    ref = tiny(family, tie=family == "qwen3")
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = hp.parallelize(copy.deepcopy(ref), mesh, hsdp={"threshold": 0, "optimizer_level": "level3"})
+    text = hp.summary(model)
+    assert "tp:" in text and "dp: hsdp level3" in text, text
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(7)
+    dp_rank = mesh.get_coordinate()[0] if hasattr(mesh, "get_coordinate") else rank // 2
+    for step in range(3):
+        batch = torch.randint(0, 96, (4, SEQ), generator=gen)
+        want = _loss(ref, batch)
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = _loss(model, batch[2 * dp_rank: 2 * dp_rank + 2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = _full(loss).detach().clone()
+        dist.all_reduce(mean)
+        assert abs(mean.item() / world - want.item()) < 1e-5, (step, mean.item() / world, want.item())
+    _same_params(model, ref, atol=1e-5)
+    model.save_pretrained(f"{tmp}/trained", max_shard_size="30KB")
+    if rank == 0:
+        plain = _plain_load(f"{tmp}/trained").eval()
+        _same_params(plain, ref, atol=1e-5)
+    dist.barrier()
+    for bad in ({"ep": True}, {"cp": "ring"}, {"tp": {"model.layers.*.mlp.up_proj": "colwise"},
+                                               "hsdp": {}}):
+        with pytest.raises(ValueError, match="asks for mesh axis"):
+            hp.parallelize(tiny(family), hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), **bad)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_parallelize_2x2(tmp_path, family):
+    pool(4).run(parallelize_2x2, family, str(tmp_path))

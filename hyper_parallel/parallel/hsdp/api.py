@@ -26,10 +26,14 @@ converted by `_apply` on the root, keeping the parameters' identity and sharding
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from ...dtensor.dtensor import DTensor
+from .._applied import record_applied
+from .._model import bind_save_pretrained, refuse_foreign_dtensors
 from . import topology
 from .param import HsdpParam
 from .unit import HsdpState, Unit
@@ -106,6 +110,7 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hsdp takes an nn.Module, got {type(model).__name__}")
+    refuse_foreign_dtensors(model, "hsdp")
     for m in model.modules():
         if isinstance(m, HSDPModule) or hasattr(m, "_hsdp_state"):
             raise ValueError(f"hsdp: {'the model' if m is model else type(m).__name__} is already wrapped by hsdp; "
@@ -137,7 +142,22 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
     model._hsdp_state = state
     cls = type(model)
     model.__class__ = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {})
+    _report(model, state, optimizer_level, threshold)
+    bind_save_pretrained(model)
     return model
+
+
+def _report(model: nn.Module, state: HsdpState, optimizer_level: str, threshold: float) -> None:
+    """Record what was sharded (for `summary` and the INFO log); warn when the threshold sharded nothing."""
+    sharded = [p for p in state.params if p.sharded]
+    size = state.topo.shard_size
+    record_applied(model, f"dp: hsdp {optimizer_level}, {len(sharded)} of {len(state.params)} parameters sharded "
+                          f"{size}-way (threshold {threshold} KB)")
+    if size > 1 and state.params and not sharded:
+        warnings.warn(f"hsdp: threshold={threshold} KB left every parameter of {type(model).__name__} unsharded "
+                      f"(the largest holds {max(p.buffer.numel() * p.buffer.element_size() for p in state.params) / 1024:.1f} KB): "
+                      f"optimizer state, gradients and parameters are replicated; lower the threshold "
+                      f"(threshold=0 shards every parameter)", stacklevel=3)
 
 
 def _registrations(model: nn.Module) -> dict:
