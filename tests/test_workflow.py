@@ -245,3 +245,50 @@ def custom_shard_check(rank, world):
 
 def test_custom_shard():
     pool(2).run(custom_shard_check)
+
+
+# ---- Hugging Face Trainer -------------------------------------------------------------------------------
+class _TokenData(torch.utils.data.Dataset):
+    def __init__(self):
+        self.rows = torch.randint(0, 96, (24, SEQ), generator=torch.Generator().manual_seed(21))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer_losses(model, trainer_cls, batch, out):
+    from transformers import TrainingArguments
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=3, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, learning_rate=1e-2, seed=3,
+                             disable_tqdm=True, max_grad_norm=0.5)
+    trainer = trainer_cls(model=model, args=args, train_dataset=_TokenData())
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+
+def trainer_parallel(rank, world, tmp):
+    from hyper_parallel.integrations.transformers import HyperParallelTrainer
+    out = {}
+    for axis in ("dp", "tp"):
+        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
+        kwargs = {"hsdp": {"threshold": 0, "optimizer_level": "level2"}} if axis == "dp" else {}
+        model = hp.parallelize(tiny("llama"), mesh, **kwargs)
+        batch = 4 // world if axis == "dp" else 4
+        out[axis], trainer = _trainer_losses(model, HyperParallelTrainer, batch, f"{tmp}/{axis}")
+    trainer.save_model(f"{tmp}/final")
+    return out
+
+
+def test_trainer_matches_one_device(tmp_path):
+    from transformers import Trainer
+    want, _ = _trainer_losses(tiny("llama"), Trainer, 4, str(tmp_path / "one"))
+    assert len(want) == 3
+    results = pool(2).run(trainer_parallel, str(tmp_path))
+    for got in results:
+        for axis in ("dp", "tp"):
+            assert len(got[axis]) == 3 and all(abs(a - b) < 1e-5 for a, b in zip(got[axis], want)), (axis, got, want)
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")) is not None
