@@ -292,3 +292,30 @@ def test_trainer_matches_one_device(tmp_path):
             assert len(got[axis]) == 3 and all(abs(a - b) < 1e-5 for a, b in zip(got[axis], want)), (axis, got, want)
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")) is not None
+
+
+# ---- loud when a request had no effect, or the model is not ours to parallelize ------------------------
+def warnings_and_refusals(rank, world):
+    import warnings
+    from hyper_parallel.tools.models import build_model
+    with pytest.warns(UserWarning, match="left every parameter .* unsharded"):
+        hp.hsdp(tiny("llama"))  # default threshold (64 KB) on a tiny model
+    with pytest.warns(UserWarning, match="only the embedding and the head"):
+        hp.shard(build_model("qwen3_vl").model, "auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = hp.shard(tiny("qwen3"), "auto")  # splits the layers: no warning
+    assert "tp: " in hp.summary(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    foreign = tiny("llama")
+    w = foreign.model.layers[0].mlp.up_proj
+    w.weight = torch.nn.Parameter(distribute_tensor(w.weight.detach(), init_device_mesh("cpu", (world,)), [Shard(0)]))
+    for fn in (lambda m: hp.shard(m, "auto"), lambda m: hp.hsdp(m, threshold=0),
+               lambda m: hp.parallelize(m, hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))):
+        with pytest.raises(ValueError, match="hyper_parallel.from_pretrained"):
+            fn(foreign)
+
+
+def test_warnings_and_refusals():
+    pool(2).run(warnings_and_refusals)
