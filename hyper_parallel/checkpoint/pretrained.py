@@ -1,11 +1,11 @@
 """Hugging Face folders <-> parallel models in one call: `from_pretrained` and `save_pretrained`.
 
 `from_pretrained(path, mesh)` never builds the full model: the model is made from the config on the
-meta device, split by the model parallelisms (tp, ep, cp; still meta), given memory for its local
-pieces only (`materialize`: computed buffers such as rotary frequencies are computed), and filled by
-`load_hf`, which reads each rank's slices of each tensor straight from the safetensors files
-(`get_slice`); hsdp then shards those pieces over "dp". So a rank's peak is about its model-parallel
-pieces plus one slice in flight (with hsdp level3, its tp-local pieces until hsdp shards them). `save_pretrained` is `export_hf`: a standard
+meta device, `parallelize`d there (tp, ep, cp, then hsdp: still meta), given memory for its local
+pieces only (hsdp's shards, `materialize` for the rest; computed buffers such as rotary frequencies
+are computed), and filled by `load_hf`, which reads each rank's slices of each tensor straight from
+the safetensors files (`get_slice`). So a rank's private peak is about its own pieces plus one slice
+in flight (with hsdp level1/2, plus the full buffers those levels keep anyway). `save_pretrained` is `export_hf`: a standard
 folder that plain transformers loads, split with an index past `max_shard_size`, published atomically.
 """
 from __future__ import annotations
@@ -115,14 +115,21 @@ def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtyp
         dtype = dtype or _checkpoint_dtype(folder) or torch.float32
     model = _build_on_meta(cls, config, dtype)
     model.eval()  # as transformers' from_pretrained
-    hsdp = parallelize_kwargs.pop("hsdp", None)
     if mesh is not None:
+        hsdp = parallelize_kwargs.pop("hsdp", None)
         model_parallel(model, mesh, **parallelize_kwargs)
+        data_parallel(model, mesh, hsdp)
+    if hasattr(model, "materialize_hsdp"):
+        model.materialize_hsdp(_mesh_device(mesh))
     materialize(model)
     load_hf(model, folder, strict=True)
-    if mesh is not None:
-        data_parallel(model, mesh, hsdp)
     return model
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 __all__ = ["from_pretrained", "save_pretrained"]

@@ -82,6 +82,14 @@ class HSDPModule:
             p.convert(fn)
         return super()._apply(fn, recurse)  # buffers; the parameters are already converted (fn is a no-op)
 
+    def materialize_hsdp(self, device: torch.device | str = "cpu") -> None:
+        """Memory for a model wrapped on the meta device: each rank's shards only (level3), values unset;
+        fill them with `hyper_parallel.checkpoint.load_hf` (what `from_pretrained` does)."""
+        for p in self._hsdp_state.params:
+            p.allocate(torch.device(device))
+        for unit in self._hsdp_state.units:
+            unit.hook_grads()
+
     def hsdp_held_tensors(self) -> list:
         """Every tensor hsdp holds for parameters and gradients (for memory accounting)."""
         out = []

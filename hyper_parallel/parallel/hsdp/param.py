@@ -167,6 +167,25 @@ class HsdpParam:
             with torch.no_grad():
                 g._local.add_(shard_grad)
 
+    # ---- memory for a model wrapped on the meta device ----------------------------------------
+    @torch.no_grad()
+    def allocate(self, device: torch.device) -> None:
+        """Real memory for a parameter that hsdp wrapped on the meta device: the shard (and, level1/2,
+        the full buffer), values unset: load them next. Both faces become new Parameter objects."""
+        self.buffer = torch.empty(self.buffer.numel(), dtype=self.dtype, device=device)
+        self.full = self.buffer[: self.rows * self.row].view(self.local_shape)
+        if self.sharded and self.level == 3:
+            shard = torch.empty((self.length,) + self.local_shape[1:], dtype=self.dtype, device=device)
+        else:
+            shard = self._buffer_rows() if self.sharded else self.full
+        self.sparam = nn.Parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
+        c = make_dtensor(self.full, self.compute_layout, self.global_shape) if self.compute_layout else self.full
+        self.compute = nn.Parameter(c, self.requires_grad)
+        self.install(self.sparam)
+        self.gathered = True
+        self.version = None  # loaded shards: the first forward gathers
+        self.free()
+
     # ---- dtype / device conversion (Module.to, .float(), .half(), .cpu()) -----------------
     @torch.no_grad()
     def convert(self, fn) -> None:
