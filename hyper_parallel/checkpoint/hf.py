@@ -11,7 +11,6 @@ Rank 0 writes; every tensor is assembled there piece by piece from the ranks tha
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 from contextlib import ExitStack
@@ -24,7 +23,7 @@ from torch import nn
 from ..dtensor.dtensor import DTensor
 from . import comm
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .format import SafetensorsWriter, write_json
+from .format import SafetensorsWriter, hf_weight_map, write_json
 from .loader import SliceReader
 from .pieces import local_of, overlap, region, writer_pieces
 from .saver import make_tmp, publish
@@ -177,7 +176,7 @@ def _hf_files(folder: Path) -> dict:
         raise CheckpointNotFoundError(f"no Hugging Face checkpoint at {folder}")
     index = sorted(folder.glob("*.safetensors.index.json"))
     if index:
-        return dict(json.loads(index[0].read_text())["weight_map"])
+        return hf_weight_map(folder, index[0])
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointNotFoundError(f"no *.safetensors in {folder}")

@@ -10,7 +10,6 @@ folder that plain transformers loads, split with an index past `max_shard_size`,
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointNotFoundError
+from .format import hf_weight_map
 from .hf import export_hf, load_hf
 
 # Arguments of transformers' save_pretrained that describe what it already is here (every rank calls,
@@ -68,7 +68,7 @@ def _checkpoint_dtype(path: Path) -> torch.dtype | None:
     """The dtype of the first floating tensor stored in the folder (transformers' dtype="auto" fallback)."""
     from safetensors import safe_open
     index = path / "model.safetensors.index.json"
-    files = [path / next(iter(json.loads(index.read_text())["weight_map"].values()))] if index.is_file() \
+    files = [path / next(iter(hf_weight_map(path, index).values()))] if index.is_file() \
         else sorted(path.glob("*.safetensors"))[:1]
     for f in files:
         with safe_open(str(f), framework="pt") as h:
