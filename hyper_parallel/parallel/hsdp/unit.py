@@ -47,10 +47,14 @@ class Unit:
         self.reduced = False
         self.inflight = None  # (works, finishes, buffers, versions) of an issued gather
         self.in_backward = False  # between its pre-backward hook and its gradients: compute params installed
-        for p in self.grad_params:
-            p.compute.register_post_accumulate_grad_hook(self._on_grad)
+        self.hook_grads()
         self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True),
                         module.register_forward_hook(self._post_forward)]
+
+    def hook_grads(self) -> None:
+        """Count the gradients arriving at the compute parameters (again after they were replaced)."""
+        for p in self.grad_params:
+            p.compute.register_post_accumulate_grad_hook(self._on_grad)
 
     # ---- gathering ----------------------------------------------------------------------
     def start_gather(self) -> None:
