@@ -215,3 +215,22 @@ if given is not None:
            mode=st.sampled_from(["random", "one_rank", "skip_rank"]), target=st.integers(0, 3))
     def test_dispatch_property_four_ranks(dist4, seed, tokens, top_k, n_local, mode, target):
         dist4.run(_dispatch_case, seed, tokens, top_k, n_local, mode, target)
+
+
+# ---- loud errors, decided from global metadata (one process, virtual mesh) --------------------------------
+def test_errors_and_record_single_process():
+    import transformers as T
+    virtual3 = hp.init_device_mesh("cpu", (3,), mesh_dim_names=("ep",))
+    with pytest.raises(ValueError, match="divide evenly over the 3 ranks"):
+        expert_parallel(_model("qwen3_moe"), virtual3)
+    with pytest.raises(ValueError, match="no axis named 'ep'"):
+        expert_parallel(_model("qwen3_moe"), hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    llama = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(ValueError, match="no MoE experts module"):
+        expert_parallel(llama, hp.init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
+    virtual2 = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    model = expert_parallel(_model("mixtral"), virtual2)
+    assert model._hp_applied == ["ep: 2 experts modules of 8 experts over 'ep' (4 per rank), batch split over 'ep'"]
+    with pytest.raises(ValueError, match=r"batch \(3\) must divide evenly"):
+        model(input_ids=_batch(3))

@@ -125,7 +125,6 @@ def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: 
     module.__dict__.pop("forward", None)  # `shard`'s tensor-parallel experts forward, if any
     original = module.forward
     sig = inspect.signature(original)
-    group = mesh.get_group(axis)
     n_total = _expert_count(module)
     n_local = n_total // mesh.size(axis)
 
@@ -154,6 +153,7 @@ def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: 
         hidden = move(bound.arguments[hidden_name], lambda nd: _rows(mesh, axis, nd), f"hidden states of {where}")
         index = move(bound.arguments[index_name], lambda nd: _rows(mesh, axis, nd), f"expert indices of {where}")
         weights = move(bound.arguments[weights_name], lambda nd: _rows(mesh, axis, nd), f"routing weights of {where}")
+        group = mesh.get_group(axis)  # here, not before: on a virtual mesh (no torch.distributed) this raises
         out = dispatch_combine(_local_rows(hidden), index._local, _local_rows(weights), n_local, group, compute)
         layout = hidden.dist_layout
         if torch.is_grad_enabled() and out.requires_grad:
