@@ -234,3 +234,35 @@ def test_errors_and_record_single_process():
     assert model._hp_applied == ["ep: 2 experts modules of 8 experts over 'ep' (4 per rank), batch split over 'ep'"]
     with pytest.raises(ValueError, match=r"batch \(3\) must divide evenly"):
         model(input_ids=_batch(3))
+
+
+# ---- checkpoints: experts are Shard(0) pieces, saved on ep=4 and loaded (resharded) on ep=2 --------------
+def _save_ep(rank, world, path):
+    from hyper_parallel import checkpoint
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(_model("mixtral"), mesh)
+    checkpoint.save({"model": model.state_dict()}, path)
+
+
+def _load_ep(rank, world, path):
+    from hyper_parallel import checkpoint
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    ref = _model("mixtral")
+    model = _model("mixtral")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model = expert_parallel(model, mesh)
+    state = {"model": model.state_dict()}
+    checkpoint.load(state, path)
+    params = dict(model.named_parameters())
+    for n, rp in ref.named_parameters():
+        torch.testing.assert_close(_full(params[n].detach()), rp.detach(), rtol=0, atol=0)
+    ids = _batch(4)
+    torch.testing.assert_close(_full(model(input_ids=ids, labels=ids).loss), ref(input_ids=ids, labels=ids).loss, **TOL)
+
+
+def test_checkpoint_reshard_ep4_to_ep2(dist4, dist2, tmp_path):
+    path = str(tmp_path / "ckpt")
+    dist4.run(_save_ep, path)
+    dist2.run(_load_ep, path)
