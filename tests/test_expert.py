@@ -34,6 +34,11 @@ def _model(name: str):
                                  n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
                                  qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, **common)
         cls = T.DeepseekV3ForCausalLM
+    elif name == "gpt_oss":
+        cfg = T.GptOssConfig(intermediate_size=16, num_key_value_heads=2, head_dim=8, num_local_experts=8,
+                             num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                             **common)
+        cls = T.GptOssForCausalLM
     else:
         raise ValueError(name)
     torch.manual_seed(0)
@@ -115,6 +120,10 @@ def test_train_ep4(dist4, name):
 
 def test_train_dp_ep_hsdp_level3(dist4):
     dist4.run(_train, "qwen3_moe", (2, 2), "level3")
+
+
+def test_train_ep2_gpt_oss(dist2):
+    dist2.run(_train, "gpt_oss", (2,), None)
 
 
 def test_train_ep2_all_tokens_to_one_rank(dist2):
