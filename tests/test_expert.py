@@ -239,6 +239,9 @@ def test_errors_and_record_single_process():
     with pytest.raises(ValueError, match="no MoE experts module"):
         expert_parallel(llama, hp.init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
     virtual2 = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    other = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    with pytest.raises(ValueError, match="already live on"):
+        expert_parallel(expert_parallel(_model("mixtral"), other, "x"), virtual2)
     model = expert_parallel(_model("mixtral"), virtual2)
     assert model._hp_applied == ["ep: 2 experts modules of 8 experts over 'ep' (4 per rank), batch split over 'ep'"]
     with pytest.raises(ValueError, match=r"batch \(3\) must divide evenly"):

@@ -49,6 +49,11 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.
     if uneven:
         raise ValueError(f"expert_parallel: experts do not divide evenly over the {ranks} ranks of axis {axis!r}: "
                          f"{uneven}; use an axis size that divides the number of experts")
+    elsewhere = sorted({repr(p.device_mesh) for p in model.parameters() if isinstance(p, DTensor) and p.device_mesh is not mesh})
+    if elsewhere:
+        raise ValueError(f"expert_parallel: parameters already live on {', '.join(elsewhere)}, not on {mesh}; expert "
+                         f"parallel needs every parameter on the one mesh it is given (composing with `shard` on a "
+                         f"sub-mesh such as mesh['tp'] is not supported yet)")
     _lay_out_parameters(model, experts, mesh, axis)
     for name, module in experts.items():
         _dispatching_forward(module, mesh, axis, name)
@@ -195,13 +200,10 @@ def _split_batch_hook(mesh: DeviceMesh, axis: str):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
         if not tensors:
             return None
-        first = tensors[0]
-        if isinstance(first, DTensor) or first.ndim == 0:
-            batch = first.shape[0] if first.ndim else None
-        else:
-            batch = first.shape[0]
-        if batch is None:
+        first = tensors[0]   # input_ids or inputs_embeds: its dim 0 is the batch
+        if first.ndim == 0:
             return None
+        batch = first.shape[0]
         if not isinstance(first, DTensor) and batch % ranks:
             raise ValueError(f"expert_parallel: the batch ({batch}) must divide evenly over the {ranks} ranks of "
                              f"axis {axis!r}; pad it or use a batch that is a multiple of {ranks}")

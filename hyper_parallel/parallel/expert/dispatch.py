@@ -44,7 +44,9 @@ def dispatch_combine(hidden: Tensor, index: Tensor, weights: Tensor, n_local: in
     results = compute(received, local_ids)
     returned = _exchange(results, send_splits, recv_splits, group)
 
-    per_route = returned[torch.argsort(order)].view(tokens, top_k, returned.shape[-1])
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=order.device)
+    per_route = returned[unsort].view(tokens, top_k, returned.shape[-1])
     return (per_route * weights.unsqueeze(-1).to(per_route.dtype)).sum(1).to(hidden.dtype)
 
 
