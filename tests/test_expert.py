@@ -129,8 +129,9 @@ def test_train_ep4(dist4, name):
     dist4.run(_train, name, (4,), None)
 
 
-def test_train_dp_ep_hsdp_level3(dist4):
-    dist4.run(_train, "qwen3_moe", (2, 2), "level3")
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_train_dp_ep_hsdp_level3(dist4, name):
+    dist4.run(_train, name, (2, 2), "level3")
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_vl_moe"])
