@@ -16,15 +16,16 @@ step (comm_counter), against the minimum: 2 forward + 2 backward token exchanges
 routed tokens x hidden x 4 bytes x (ep-1)/ep. Our count also has one counts exchange per layer (forward
 only, ep-1 rows of experts-per-rank int64). On an oversubscribed host step times vary; use --rounds.
 
-A run on 2 shared cores (load average ~30), defaults (hidden 256, 16 experts, top-2, 4 layers, seq 256,
-global batch 4x256, 14.2M params), --rounds 2:
+Two runs on 2 shared cores, defaults (hidden 256, 16 experts, top-2, 4 layers, seq 256, global batch
+4x256, 14.2M params), --rounds 2; the second ran beside a test suite (load average ~45):
                          step time (s) vs 1 proc  peak MiB/rank  experts MiB/rank
-expert parallel                   1.639      0.51           89.7             12.00
-TP experts (shard auto)           2.043      0.64          122.0             12.00
-one process                       3.189      1.00          232.3             48.00
-all_to_all per MoE layer per rank: 5 calls (4 token exchanges + 1 counts exchange), busiest rank 1.771 MiB
-sent vs 1.500 MiB for uniform routing (every byte counted is a routed row leaving its rank: the
-minimum for the routing the model chose).
+expert parallel           1.639 / 1.539  0.51/0.26   89.7 / 103.6             12.00
+TP experts (shard auto)   2.043 / 4.305  0.64/0.74  122.0 / 124.3             12.00
+one process               3.189 / 5.809  1.00/1.00  232.3 / 232.3             48.00
+all_to_all per MoE layer per rank: 5 calls (4 token exchanges + 1 counts exchange), 1.604 MiB sent
+(mean over ranks; busiest rank 1.771) vs 1.500 MiB for uniform routing. Every byte counted is a routed
+row leaving its rank, so the token traffic is the minimum for the routing the model chose; the excess
+over 1.500 is the router's imbalance (plus 96 bytes of counts).
 """
 from __future__ import annotations
 
