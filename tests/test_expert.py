@@ -291,3 +291,16 @@ def test_checkpoint_reshard_ep4_to_ep2(dist4, dist2, tmp_path):
     path = str(tmp_path / "ckpt")
     dist4.run(_save_ep, path)
     dist2.run(_load_ep, path)
+
+
+# ---- check mode: every rank runs the same collectives (the splits differ, the fingerprints do not) ---------
+def _train_checked(rank, world):
+    hp.set_check(True)
+    try:
+        return _train(rank, world, "mixtral", (2,), None, steps=1)
+    finally:
+        hp.set_check(False)
+
+
+def test_check_mode_ep2(dist2):
+    dist2.run(_train_checked)
