@@ -9,6 +9,7 @@ from .parallel.hsdp import hsdp
 from .parallel.parallelize import parallelize, summary
 from .parallel.custom_shard import custom_shard
 from .checkpoint.pretrained import from_pretrained, save_pretrained
+from .parallel.expert import expert_parallel
 
 _load_builtin_rules()
 
@@ -20,4 +21,5 @@ __all__ += ["set_check", "CheckError", "CollectiveError"]
 __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
 __all__ += ["hsdp"]
 __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "custom_shard"]
+__all__ += ["expert_parallel"]
 __version__ = "0.1.0"
