@@ -6,6 +6,7 @@ from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, in
 from .redistribute import comm_counter
 from .parallel.shard import ShardingPlan, init_parameters, load_sharded, shard, shard_module
 from .parallel.hsdp import hsdp
+from .parallel.context import context_parallel
 
 _load_builtin_rules()
 
@@ -15,4 +16,5 @@ __all__ = [
 ]
 __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
 __all__ += ["hsdp"]
+__all__ += ["context_parallel"]
 __version__ = "0.1.0"

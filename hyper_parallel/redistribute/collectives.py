@@ -96,3 +96,23 @@ def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
     _record("broadcast", t)
     dist.broadcast(t, src_rank, group=group)
     return t
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> list:
+    """Point-to-point: post every send and receive at once (`batch_isend_irecv`), peers given as ranks of
+    `group`; returns the requests, to `wait()` on once the overlapping compute is done."""
+    ops = []
+    for t, peer in sends:
+        _record("send", t)
+        ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def ring_step(t: torch.Tensor, group, index: int, parts: int) -> tuple[torch.Tensor, list]:
+    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer.
+
+    Returns (buffer, requests): the buffer holds the previous rank's tensor once the requests are waited on."""
+    t = t.contiguous()
+    buffer = torch.empty_like(t)
+    return buffer, exchange([(t, (index + 1) % parts)], [(buffer, (index - 1) % parts)], group)
