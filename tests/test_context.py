@@ -11,15 +11,21 @@ from hyper_parallel.parallel.context.ring import Visibility, block_forward, merg
 SEQ, BATCH, VOCAB = 16, 2, 96
 
 
-def _model(name: str, attn: str = "sdpa"):
+def _model(name: str, attn: str = "sdpa", kv_heads: int = 4):
     """Tiny Llama (4 heads) or Qwen3 (8 query heads over 4 key/value heads: GQA); no dropout."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False)
-    config = (LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common) if name == "llama"
+    config = (LlamaConfig(num_attention_heads=4, num_key_value_heads=kv_heads, **common) if name == "llama"
               else Qwen3Config(num_attention_heads=8, num_key_value_heads=4, head_dim=8, **common))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
+
+
+# heads split over "tp" (column-parallel q/k/v and gate/up, row-parallel o/down) on the ("cp", "tp") mesh
+TP_PLAN = {f"model.layers.*.{m}.weight": ("tp", "None") for m in
+           ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+TP_PLAN.update({f"model.layers.*.{m}.weight": ("None", "tp") for m in ("self_attn.o_proj", "mlp.down_proj")})
 
 
 def _batch(padded: bool):
@@ -43,7 +49,7 @@ def _check_model(mesh, name, method, padded, attn="sdpa", shard_tp=False):
     model = _model(name, attn)
     ref = copy.deepcopy(model)
     if shard_tp:
-        hp.shard(model, "auto", mesh)
+        hp.shard(model, hp.ShardingPlan(plan=TP_PLAN), mesh)
     hp.context_parallel(model, mesh, "cp", method)
     batch = _batch(padded)
     out = model(**batch)
@@ -72,3 +78,71 @@ def test_every_method_on_two_ranks(dist2):
 
 def test_every_method_on_four_ranks(dist4):
     dist4.run(_every_method)
+
+
+def _with_tensor_parallel_and_errors(rank, world):
+    """cp=2 x tp=2 (heads split over "tp" inside each context rank), then the errors decided up front."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    for name, method in (("qwen3", "ring"), ("llama", "ulysses"), ("qwen3", "allgather")):
+        _check_model(mesh, name, method, padded=True, shard_tp=True)
+    cp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model = hp.context_parallel(_model("llama"), cp_mesh)
+    odd = _batch(False)
+    odd = {k: v[:, :SEQ - 3] for k, v in odd.items()}  # 13 tokens: not a multiple of 2 x 4
+    with pytest.raises(ValueError, match="multiple of 2 x 'cp' size = 8"):
+        model(**odd)
+    # Ulysses on 4 key/value-head groups of 2: decided from the config, before any communication
+    with pytest.raises(ValueError, match="num_key_value_heads=2 does not divide by tp .1. x 'cp' .4."):
+        hp.context_parallel(_model("llama", kv_heads=2), cp_mesh, method="ulysses")
+    return True
+
+
+def test_with_tensor_parallel_and_clear_errors(dist4):
+    dist4.run(_with_tensor_parallel_and_errors)
+
+
+# ---- the block merge, one process -------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 2), st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.integers(1, 9), st.integers(1, 12),
+       st.booleans(), st.booleans(), st.data())
+def test_ring_merge_matches_sdpa(batch, heads, lq, lk, causal, padded, data):
+    """Keys cut into random blocks, each attended alone and folded by the log-sum-exp merge, equal
+    plain sdpa over all keys (causal or not, with a key padding mask), and so do the recomputed
+    block gradients of ring's backward."""
+    from hyper_parallel.parallel.context.ring import block_backward
+    hq, hkv = heads
+    torch.manual_seed(data.draw(st.integers(0, 10_000)))
+    q, k, v = (torch.randn(batch, h, n, 8, dtype=torch.float64, requires_grad=True)
+               for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    q_index = torch.arange(lk - lq, lk) if lq <= lk else torch.arange(lq) - (lq - lk)
+    k_index = torch.arange(lk)
+    key_ok = torch.rand(batch, lk) > 0.3 if padded else None
+    if key_ok is not None:
+        key_ok[:, 0] = True
+    vis = Visibility(causal, None, key_ok)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, lk - 1), max_size=3)) if lk > 1 else []))
+    bounds = [0] + cuts + [lk]
+    out = q.new_zeros(batch, hq, lq, 8)
+    lse = q.new_full((batch, hq, lq), float("-inf"))
+    for a, b in zip(bounds, bounds[1:]):
+        o, l = block_forward(q, k[:, :, a:b], v[:, :, a:b], vis.mask(q_index, k_index[a:b], slice(a, b)), 0.3)
+        out, lse = merge(out, lse, o, l)
+    full_mask = vis.mask(q_index, k_index, slice(None))
+    ok_rows = None if full_mask is None else full_mask.any(-1)  # rows that see no key come out 0
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if full_mask is None else full_mask[:, None], scale=0.3, enable_gqa=hq != hkv)
+    if ok_rows is not None:
+        want = torch.where(ok_rows[:, None, :, None], want, torch.zeros_like(want))
+    assert torch.allclose(out, want, atol=1e-10)
+    d_out = torch.randn_like(want)
+    gq, gk, gv = torch.autograd.grad(want, (q, k, v), d_out)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = (d_out * out).sum(-1)
+    for a, b in zip(bounds, bounds[1:]):
+        bq, bk, bv = block_backward(q, k[:, :, a:b], v[:, :, a:b], vis.mask(q_index, k_index[a:b], slice(a, b)),
+                                    0.3, d_out, lse, delta)
+        dq += bq
+        dk[:, :, a:b] += bk
+        dv[:, :, a:b] += bv
+    for got, exp in ((dq, gq), (dk, gk), (dv, gv)):
+        assert torch.allclose(got, torch.nan_to_num(exp), atol=1e-9)

@@ -79,12 +79,7 @@ def context_attention(settings, module, query, key, value, attention_mask, dropo
                          "attention_dropout to 0")
     if softcap is not None:
         raise ValueError(f"{where}: logit softcapping is not supported")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, DTensor) or t.dist_layout.tensor_map[2] != (settings.axis_index,):
-            layout = t.dist_layout.alias_entries() if isinstance(t, DTensor) else "a plain tensor"
-            raise ValueError(f"{where}: {name} must be split on its sequence dim (2) over {settings.axis!r} "
-                             f"and nothing else, got {layout}; call the model through context_parallel's "
-                             "pre-hook (whole inputs, or DTensors split on the sequence over the axis)")
+    query, key, value = _common_layout(settings, query, key, value, where)
     if isinstance(attention_mask, Tensor) and attention_mask.ndim != 2:
         raise ValueError(f"{where}: only 2D padding masks are supported, got a {attention_mask.ndim}D mask")
     seq_len = query.shape[2]
@@ -106,6 +101,24 @@ def context_attention(settings, module, query, key, value, attention_mask, dropo
     shape = tuple(query.shape[:3]) + (value.shape[-1],)
     out = DTensor.from_local(out, query.dist_layout, shape=shape)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _common_layout(settings, query, key, value, where):
+    """q, k, v in one layout: the sequence (dim 2) split over the axis, heads split as q's are where the
+    key/value heads divide (else whole), batch as it comes, head_dim whole, no pending reduction."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, DTensor) or t.dist_layout.tensor_map[2] != (settings.axis_index,):
+            layout = t.dist_layout.alias_entries() if isinstance(t, DTensor) else "a plain tensor"
+            raise ValueError(f"{where}: {name} must be split on its sequence dim (2) over {settings.axis!r}, "
+                             f"got {layout}; call the model through context_parallel's pre-hook (whole inputs, "
+                             "or DTensors split on the sequence over the axis)")
+    layout = query.dist_layout
+    tensor_map = list(layout.tensor_map)
+    tensor_map[3] = ()
+    if key.shape[1] % layout.shard_count(1):
+        tensor_map[1] = ()
+    target = layout.with_map(tensor_map, (None,) * layout.mesh.ndim)
+    return tuple(t if t.dist_layout is target else t.redistribute(target) for t in (query, key, value))
 
 
 def _all_index(ring: Ring) -> Tensor:
