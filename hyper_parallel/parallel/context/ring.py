@@ -67,13 +67,38 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of q over one K/V block: (out (b, hq, lq, dv), lse (b, hq, lq))."""
+def _fused(q: Tensor, mask: Tensor | None) -> bool:
+    """torch's CPU flash kernel (no materialised scores, returns the log-sum-exp) serves unmasked blocks."""
+    return mask is None and q.device.type == "cpu"
+
+
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+    b, h, n, d = t.shape
+    return t if groups == 1 else t[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def _sum_groups(t: Tensor, heads: int) -> Tensor:
+    b, hq, n, d = t.shape
+    return t if hq == heads else t.view(b, heads, hq // heads, n, d).sum(2)
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                  causal: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention of q over one K/V block: (out (b, hq, lq, dv), lse (b, hq, lq)). `causal` (unmasked
+    blocks only): a square block on the diagonal, query i sees keys 0..i."""
     b, hq, lq, _ = q.shape
+    hkv = k.shape[1]
+    if _fused(q, mask):
+        groups = hq // hkv
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), _repeat_kv(k, groups).contiguous(), _repeat_kv(v, groups).contiguous(), 0.0, causal,
+            scale=scale)
+        return out, lse
+    if causal:
+        mask = torch.ones(lq, k.shape[2], dtype=torch.bool, device=q.device).tril()[None]
     s = _scores(q, k, mask, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
-    hkv = k.shape[1]
     out = torch.matmul(p.reshape(b, hkv, -1, k.shape[2]), v).view(b, hq, lq, v.shape[-1])
     return out, lse.reshape(b, hq, lq)
 
@@ -86,11 +111,20 @@ def merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tup
     return out, new
 
 
-def block_backward(q, k, v, mask, scale, d_out, lse, delta):
-    """Gradients of one block from the final lse (recomputed probabilities): (dq, dk, dv)."""
+def block_backward(q, k, v, mask, scale, d_out, out, lse, causal: bool = False):
+    """Gradients of one block from the final out and lse (recomputed probabilities): (dq, dk, dv)."""
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     g = hq // hkv
+    if _fused(q, mask):
+        lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel's own (b, lq, h) storage
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out.contiguous(), q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(),
+            out.contiguous(), lse, 0.0, causal, scale=scale)
+        return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
+    if causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()[None]
+    delta = (d_out * out).sum(-1)
     p = torch.exp(_scores(q, k, mask, scale) - _finite(lse).view(b, hkv, g, lq)[..., None])
     p = p.reshape(b, hkv, g * lq, lk)
     d_out_g = d_out.reshape(b, hkv, g * lq, -1)
@@ -116,24 +150,27 @@ class Ring:
         return (self.rank - step) % self.parts
 
 
-def _query_pieces(ring: Ring, vis: Visibility, src: int):
-    """(query row slice, mask) pairs of this rank's queries that see some key of `src`'s block.
+def _pieces(ring: Ring, vis: Visibility, src: int):
+    """(query rows, key columns, mask, causal) of each (query chunk, key chunk) pair that is not hidden.
 
-    Queries are taken by contiguous chunk (two per rank in the zigzag order) so that the causally
-    hidden ones are skipped without gathering rows."""
+    Each rank holds two contiguous chunks: under a causal mask a pair is wholly visible (key chunk
+    before the query chunk: no mask), on the diagonal (a square causal block) or hidden (skipped).
+    Padding or a window adds a mask built from the original token indices."""
     q_index, k_index = ring.index[ring.rank], ring.index[src]
-    lk = k_index.numel()
-    k_slice = slice(src * lk, (src + 1) * lk)
-    half = q_index.numel() // 2
+    half, lk = q_index.numel() // 2, k_index.numel()
+    plain = vis.window is None and vis.key_ok is None
     pieces = []
     for rows in (slice(0, half), slice(half, 2 * half)):
-        if vis.skips(q_index[rows], k_index):
-            continue
-        mask = vis.mask(q_index[rows], k_index, k_slice)
-        if mask is not None and vis.causal and vis.window is None and vis.key_ok is None \
-                and bool(k_index.max() <= q_index[rows].min()):
-            mask = None  # a block wholly below the diagonal needs no mask
-        pieces.append((rows, mask))
+        for cols in (slice(0, lk // 2), slice(lk // 2, lk)):
+            qi, ki = q_index[rows], k_index[cols]
+            if vis.skips(qi, ki):
+                continue
+            diagonal = vis.causal and not bool(ki.max() <= qi.min())
+            if plain:
+                pieces.append((rows, cols, None, diagonal))
+            else:
+                k_slice = slice(src * lk + cols.start, src * lk + cols.stop)
+                pieces.append((rows, cols, vis.mask(qi, ki, k_slice), False))
     return pieces
 
 
@@ -149,8 +186,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.parts):
             if step < ring.parts - 1:
                 incoming, works = C.ring_step(kv, ring.group, ring.rank, ring.parts)
-            for rows, mask in _query_pieces(ring, vis, ring.source(step)):
-                o, l = block_forward(q[:, :, rows], kv[..., :dk], kv[..., dk:], mask, scale)
+            for rows, cols, mask, causal in _pieces(ring, vis, ring.source(step)):
+                o, l = block_forward(q[:, :, rows], kv[:, :, cols, :dk], kv[:, :, cols, dk:], mask, scale, causal)
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
             if step < ring.parts - 1:
                 for w in works:
@@ -165,7 +202,6 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, vis, scale = ctx.ring, ctx.vis, ctx.scale
         d_out = d_out.contiguous()
-        delta = (d_out * out).sum(-1)
         dq = torch.zeros_like(q)
         kv = torch.cat([k, v], -1)
         d_kv = torch.zeros_like(kv)
@@ -174,12 +210,12 @@ class RingAttention(torch.autograd.Function):
             last = step == ring.parts - 1
             if not last:
                 incoming, works = C.ring_step(kv, ring.group, ring.rank, ring.parts)
-            for rows, mask in _query_pieces(ring, vis, ring.source(step)):
-                gq, gk, gv = block_backward(q[:, :, rows], kv[..., :dk_], kv[..., dk_:], mask, scale,
-                                            d_out[:, :, rows], lse[:, :, rows], delta[:, :, rows])
+            for rows, cols, mask, causal in _pieces(ring, vis, ring.source(step)):
+                gq, gk, gv = block_backward(q[:, :, rows], kv[:, :, cols, :dk_], kv[:, :, cols, dk_:], mask, scale,
+                                            d_out[:, :, rows], out[:, :, rows], lse[:, :, rows], causal)
                 dq[:, :, rows] += gq
-                d_kv[..., :dk_] += gk
-                d_kv[..., dk_:] += gv
+                d_kv[:, :, cols, :dk_] += gk
+                d_kv[:, :, cols, dk_:] += gv
             # the block's gradient follows it; after the last step it goes home to its owner
             if ring.parts > 1:
                 d_kv_in, d_works = C.ring_step(d_kv, ring.group, ring.rank, ring.parts)
