@@ -19,7 +19,6 @@ local q, k, v and out.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 

@@ -147,7 +147,7 @@ def _ulysses(settings, ring, vis, q, k, v, scale, where):
         if t.shape[1] % parts:
             raise ValueError(f"{where}: ulysses needs the {name} heads on each rank ({t.shape[1]}) to divide "
                              f"by the {settings.axis!r} size {parts}; use method='ring' or 'allgather'")
-    q, k, v = (_SequenceToHeads.apply(t, settings) for t in (q, k, v))
+    q, k, v = (_AllToAll.apply(t, settings, 2, 1) for t in (q, k, v))  # sequence split -> head split
     index = _all_index(ring)
     if vis.key_ok is None:  # back to the plain order, where a causal mask is sdpa's is_causal
         order = torch.argsort(index)
@@ -159,7 +159,7 @@ def _ulysses(settings, ring, vis, q, k, v, scale, where):
         out = out.index_select(2, torch.argsort(order))
     else:
         out = _local_attention(q, k, v, vis, index, index, scale)
-    return _HeadsToSequence.apply(out, settings)
+    return _AllToAll.apply(out, settings, 1, 2)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -178,27 +178,16 @@ class _GatherSequence(torch.autograd.Function):
         return C.reduce_scatter(grad, 2, "sum", s.group, [piece] * s.parts, s.rank).contiguous(), None
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """all_to_all: sequence split -> head split (b, h, L/n, d) -> (b, h/n, L, d); the gradient goes back."""
+class _AllToAll(torch.autograd.Function):
+    """all_to_all gathering `gather_dim` and scattering `scatter_dim`: (b, h, L/n, d) -> (b, h/n, L, d) with
+    (2, 1), back with (1, 2); the gradient takes the inverse exchange."""
 
     @staticmethod
-    def forward(ctx, t, settings):
-        ctx.settings = settings
-        return C.all_to_all(t, 2, 1, settings.group, settings.parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.all_to_all(grad, 1, 2, ctx.settings.group, ctx.settings.parts), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """all_to_all: head split -> sequence split, the inverse of `_SequenceToHeads`."""
-
-    @staticmethod
-    def forward(ctx, t, settings):
-        ctx.settings = settings
-        return C.all_to_all(t, 1, 2, settings.group, settings.parts)
+    def forward(ctx, t, settings, gather_dim, scatter_dim):
+        ctx.args = (settings, scatter_dim, gather_dim)
+        return C.all_to_all(t, gather_dim, scatter_dim, settings.group, settings.parts)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_to_all(grad, 2, 1, ctx.settings.group, ctx.settings.parts), None
+        settings, gather_dim, scatter_dim = ctx.args
+        return C.all_to_all(grad, gather_dim, scatter_dim, settings.group, settings.parts), None, None, None
