@@ -15,6 +15,21 @@ handed to an all_gather), against each method's minimum: ring and allgather must
 to the n-1 others, (n-1) x the local K/V = (n-1)/n of the full K/V; ulysses must move (n-1)/n of its
 local q, k, v and out.
 "One process" runs the same model unsplit on rank 0 (transformers' sdpa path).
+
+A run on the project's 2 shared cores (load ~20, so times move by tens of percent; 4 ranks, seq 4096,
+--steps 1), 2026-12-03:
+                             step s  vs 1p act MiB/rank  vs 1p KiB/attn layer  minimum
+one process                  22.434   1.00        204.2   1.00
+hp ring                       6.690   0.30         53.2   0.26         6144.0   6144.0
+hp ulysses                    6.785   0.30         59.2   0.29         3072.0   3072.0
+hp allgather                 11.099   0.49         99.1   0.49         6144.0   6144.0
+torch context_parallel: does not run here (NotImplementedError: Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding)
+(An earlier run of the same, one process alone on the machine: 12.1 s; the ratios above flatter the
+split runs by up to 2x: treat step times as rough. Memory and bytes do not depend on load.)
+Ring and ulysses activation memory falls as ~1/n (0.26, 0.29 at n = 4), allgather's as ~1/2 (full
+K/V per rank); bytes per attention layer are at each method's minimum. Unmasked ring blocks run
+torch's CPU flash kernel; masked ones (padding, sliding window) a matmul block of (L/2n)^2 scores.
 """
 from __future__ import annotations
 
