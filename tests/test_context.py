@@ -91,6 +91,15 @@ def _with_tensor_parallel_and_errors(rank, world):
     odd = {k: v[:, :SEQ - 3] for k, v in odd.items()}  # 13 tokens: not a multiple of 2 x 4
     with pytest.raises(ValueError, match="multiple of 2 x 'cp' size = 8"):
         model(**odd)
+    # inputs already split on the sequence over "cp" (plain order) are taken as they are
+    batch = _batch(padded=True)
+    ref = _model("llama")
+    want = ref(**batch)
+    split = {k: hp.DTensor.from_local(v.chunk(world, 1)[rank], hp.Layout(cp_mesh)("None", "cp"), shape=v.shape)
+             for k, v in batch.items()}
+    out = hp.context_parallel(copy.deepcopy(_model("llama")), cp_mesh, "cp", "ring")(**split)
+    assert torch.allclose(_full(out.logits), want.logits, atol=1e-5)
+    assert torch.allclose(_full(out.loss), want.loss, atol=1e-5)
     # Ulysses on 4 key/value-head groups of 2: decided from the config, before any communication
     with pytest.raises(ValueError, match="num_key_value_heads=2 does not divide by tp .1. x 'cp' .4."):
         hp.context_parallel(_model("llama", kv_heads=2), cp_mesh, method="ulysses")
