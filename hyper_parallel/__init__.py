@@ -10,6 +10,7 @@ from .parallel.parallelize import parallelize, summary
 from .parallel.custom_shard import custom_shard
 from .checkpoint.pretrained import from_pretrained, save_pretrained
 from .parallel.expert import expert_parallel
+from .parallel.context import context_parallel
 
 _load_builtin_rules()
 
@@ -22,4 +23,5 @@ __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sh
 __all__ += ["hsdp"]
 __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "custom_shard"]
 __all__ += ["expert_parallel"]
+__all__ += ["context_parallel"]
 __version__ = "0.1.0"

@@ -165,3 +165,28 @@ def all_to_all_uneven_autograd(t: torch.Tensor, output_splits: list[int], input_
                                group) -> torch.Tensor:
     """`all_to_all_uneven` that autograd differentiates (rows' gradients travel back to their senders)."""
     return _AllToAllUneven.apply(t, list(output_splits), list(input_splits), group)
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> list:
+    """Point-to-point: post every send and receive at once (`batch_isend_irecv`), peers given as ranks of
+    `group`; returns the requests, to `wait()` on once the overlapping compute is done."""
+    ops = []
+    for t, peer in sends:
+        _record("send", t)
+        ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    # every rank of the group comes here (some with nothing to move), so check mode compares them all
+    return _issue("exchange", "point-to-point", group, _batch_p2p, ops)
+
+
+def _batch_p2p(ops: list) -> list:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def ring_step(t: torch.Tensor, group, index: int, parts: int) -> tuple[torch.Tensor, list]:
+    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer.
+
+    Returns (buffer, requests): the buffer holds the previous rank's tensor once the requests are waited on."""
+    t = t.contiguous()
+    buffer = torch.empty_like(t)
+    return buffer, exchange([(t, (index + 1) % parts)], [(buffer, (index - 1) % parts)], group)
