@@ -6,6 +6,7 @@ from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, in
 from .redistribute import comm_counter
 from .parallel.shard import ShardingPlan, init_parameters, load_sharded, shard, shard_module
 from .parallel.hsdp import hsdp
+from .parallel.pipeline import Pipeline, pipeline
 
 _load_builtin_rules()
 
@@ -15,4 +16,5 @@ __all__ = [
 ]
 __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
 __all__ += ["hsdp"]
+__all__ += ["pipeline", "Pipeline"]
 __version__ = "0.1.0"
