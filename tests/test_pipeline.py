@@ -27,6 +27,18 @@ def tiny_model(kind: str, layers: int = 4):
     elif kind == "qwen3":
         config = transformers.Qwen3Config(head_dim=8, **common)
         cls = transformers.Qwen3ForCausalLM
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif kind == "mistral":
+        config = transformers.MistralConfig(sliding_window=4, **common)
+        cls = transformers.MistralForCausalLM
+    elif kind == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, **{**common, "num_key_value_heads": 4})
+        cls = transformers.DeepseekV3ForCausalLM
     elif kind == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(head_dim=8, num_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=16, **common)
@@ -124,6 +136,12 @@ def test_pp2_dp2_hsdp_matches_one_process(dist4):
     check_against_reference(results, "llama", pp=2)
 
 
+def test_pp2_tp2_shard_matches_one_process(dist4):
+    kwargs = dict(schedule="interleaved_1f1b", stages_per_rank=2, n_microbatches=2, tp="auto")
+    results = dist4.run(train_pipelined, "qwen3", (2, 2), ("pp", "tp"), kwargs)
+    check_against_reference(results, "qwen3", pp=2)
+
+
 def test_pp4_qwen3_moe_1f1b(dist4):
     kwargs = dict(schedule="1f1b", n_microbatches=4)
     results = dist4.run(train_pipelined, "qwen3_moe", (4,), ("pp",), kwargs)
@@ -189,15 +207,20 @@ def test_errors_are_clear():
         hp.pipeline(tiny_model("llama"), mesh, schedule="interleaved_1f1b", stages_per_rank=2, split_points=[0])
 
 
-def test_one_stage_equals_plain_model():
-    """pp=1 in one process (no torch.distributed): the stage forward is the model's forward."""
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "deepseek_v3"])
+def test_one_stage_equals_plain_model(kind):
+    """pp=1 in one process (no torch.distributed): the stage forward is the model's forward, padding
+    mask included, for every class the cutter knows."""
     import hyper_parallel as hp
-    ids, labels = batch()
-    want = tiny_model("qwen3")(input_ids=ids, labels=labels)
-    pipe = hp.pipeline(tiny_model("qwen3"), hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="gpipe")
-    view = pipe.stages[0]
-    logits = view(ids)
-    torch.testing.assert_close(logits, want.logits, atol=1e-6, rtol=0)
+    ids, _ = batch()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[6, :5] = 0
+    with torch.no_grad():
+        want = tiny_model(kind)(input_ids=ids, attention_mask=mask).logits
+        pipe = hp.pipeline(tiny_model(kind), hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="gpipe")
+        got = pipe.stages[0](ids, attention_mask=mask)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 # ---- the cutter and balancer: property test ------------------------------------------------------------
