@@ -29,16 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from hsdp_step import build_llama, peak_in_window  # same model and memory accounting as the hsdp bench
+
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2)]
-
-
-def build_llama(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=args.seq, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).float()
 
 
 def global_batch(args):
@@ -107,14 +100,7 @@ def peak_pipeline(args, schedule, spr, m):
             train_step(pipe, opt, x)
         del pipe, opt
         gc.collect()
-    events = prof.profiler.kineto_results.events()
-    window = next(e for e in events if e.name() == "measured_step")
-    live, peak = 0, 0
-    for t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        live += nbytes
-        if window.start_ns() <= t <= window.end_ns():
-            peak = max(peak, live)
-    return peak
+    return peak_in_window(prof, "measured_step")
 
 
 def time_one_process(args):

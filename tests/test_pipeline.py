@@ -21,30 +21,15 @@ def tiny_model(kind: str, layers: int = 4):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=False)
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
-    elif kind == "qwen3":
-        config = transformers.Qwen3Config(head_dim=8, **common)
-        cls = transformers.Qwen3ForCausalLM
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
-    elif kind == "mistral":
-        config = transformers.MistralConfig(sliding_window=4, **common)
-        cls = transformers.MistralForCausalLM
-    elif kind == "deepseek_v3":
-        config = transformers.DeepseekV3Config(
-            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-            v_head_dim=8, **{**common, "num_key_value_heads": 4})
-        cls = transformers.DeepseekV3ForCausalLM
-    elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                             moe_intermediate_size=16, **common)
-        cls = transformers.Qwen3MoeForCausalLM
-    else:
-        raise ValueError(kind)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    deepseek = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)
+    name, extra = {"llama": ("Llama", {}), "qwen2": ("Qwen2", {}), "qwen3": ("Qwen3", {"head_dim": 8}),
+                   "mistral": ("Mistral", {"sliding_window": 4}), "qwen3_moe": ("Qwen3Moe", {"head_dim": 8, **moe}),
+                   "deepseek_v3": ("DeepseekV3", deepseek)}[kind]
+    config = getattr(transformers, f"{name}Config")(**{**common, **extra})
+    cls = getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(0)
     return cls(config).float()
 
@@ -117,7 +102,8 @@ def check_against_reference(results, kind, pp):
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
 
 
-SCHEDULE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2)]
+SCHEDULE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zb", 2),
+                  ("zbv", 2)]
 
 
 @pytest.mark.parametrize("schedule,spr", SCHEDULE_CASES)
@@ -221,6 +207,7 @@ def test_one_stage_equals_plain_model(kind):
         pipe = hp.pipeline(tiny_model(kind), hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="gpipe")
         got = pipe.stages[0](ids, attention_mask=mask)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert pipe.model._hp_applied[-1].startswith("pp: 1 stages over 'pp' (gpipe")
 
 
 # ---- the cutter and balancer: property test ------------------------------------------------------------
