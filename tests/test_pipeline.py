@@ -15,8 +15,8 @@ from hyper_parallel.parallel.pipeline import cut
 VOCAB, BATCH, SEQ, LR, STEPS = 96, 8, 10, 1e-3, 2
 
 
-def tiny_model(kind: str, layers: int = 4):
-    """A tiny random causal LM, identical in every process (fixed seed)."""
+def tiny_model(kind: str, layers: int = 4, device: str = "cpu"):
+    """A tiny random causal LM, identical in every process (fixed seed); device="meta" builds no data."""
     import transformers
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -31,7 +31,8 @@ def tiny_model(kind: str, layers: int = 4):
     config = getattr(transformers, f"{name}Config")(**{**common, **extra})
     cls = getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(0)
-    return cls(config).float()
+    with torch.device(device):
+        return cls(config).float()
 
 
 def batch():
@@ -147,15 +148,14 @@ def save_pipelined(rank, world, path):
 
 
 def load_pipelined(rank, world, path):
+    """A meta build: each rank materialises only its stages, then loads them from the checkpoint."""
     import hyper_parallel as hp
     from hyper_parallel.checkpoint import load
-    torch.manual_seed(99)
-    model = tiny_model("llama")
-    for p in model.parameters():
-        torch.nn.init.zeros_(p)
-    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b")
+    pipe = hp.pipeline(tiny_model("llama", device="meta"), hp.init_device_mesh("cpu", (2,), ("pp",)),
+                       schedule="1f1b")
+    assert not any(t.is_meta for t in pipe.model.state_dict().values())
     load({"model": pipe.state_dict()}, path)
-    return {k: v.detach().clone() for k, v in pipe.named_parameters()}
+    return {k: v.detach().clone() for k, v in pipe.named_parameters()}, pipe.eval_forward(batch()[0])
 
 
 def test_save_pp2_load_one_process_and_pp2(dist2):
@@ -164,6 +164,7 @@ def test_save_pp2_load_one_process_and_pp2(dist2):
         path = os.path.join(tmp, "ckpt")
         saved = dist2.run(save_pipelined, path)
         whole = {k: v for part in saved for k, v in part.items()}
+        assert not set(saved[0]) & set(saved[1])
         model = tiny_model("llama")
         for p in model.parameters():
             torch.nn.init.zeros_(p)
@@ -173,9 +174,12 @@ def test_save_pp2_load_one_process_and_pp2(dist2):
         assert set(got) == set(whole)
         for name, value in whole.items():
             assert torch.equal(got[name], value), name
-        for part in dist2.run(load_pipelined, path):
-            for name, value in part.items():
+        with torch.no_grad():
+            want = model(input_ids=batch()[0]).logits
+        for params, logits in dist2.run(load_pipelined, path):
+            for name, value in params.items():
                 assert torch.equal(value, whole[name]), name
+            torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
 
 
 def test_errors_are_clear():

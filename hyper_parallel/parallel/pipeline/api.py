@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from ...layout.mesh import DeviceMesh
 from .._applied import record_applied
+from ..shard import init_parameters
 from . import cut
 from .state import stage_owner_meshes, whole_state_dict
 
@@ -64,7 +67,6 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: 
     """
     recipe = cut.recipe_for(model)
     pp = mesh.size(axis)
-    pp_axis = mesh.axis_index(axis)
     _check_arguments(model, schedule, n_microbatches, stages_per_rank, pp)
     style = SCHEDULES[schedule][1]
     n_stages = pp * stages_per_rank
@@ -81,15 +83,17 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: 
     mine = [spec for spec in specs if owner[spec.index] == me]
 
     whole_meta = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
+    key_owner = _key_owners(whole_meta, specs, owner, recipe)
+    _check_parallelize_kwargs(mesh, parallelize_kwargs)
+
     cut.prune(model, recipe, {i for spec in mine for i in spec.layers},
               any(s.first for s in mine), any(s.last for s in mine))
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        init_parameters(model)   # a meta build: materialise only this rank's stages
     views = [cut.stage_view(model, recipe, spec) for spec in mine]
     _parallelize_stages(model, views, mesh, axis, parallelize_kwargs)
 
-    pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, recipe)
-    pipe._key_owner = _key_owners(whole_meta, specs, owner, recipe)
-    pipe._whole_meta = whole_meta
-    pipe._owner_meshes = stage_owner_meshes(mesh, pp_axis)
+    pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, recipe, key_owner, whole_meta)
     layout = ", ".join(f"stage {s.index}: layers {s.layers.start}-{s.layers.stop - 1} on {axis}={owner[s.index]}"
                        for s in specs)
     record_applied(model, f"pp: {n_stages} stages over {axis!r} ({schedule}, {n_microbatches} micro-batches; "
@@ -104,6 +108,9 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
     if stages_per_rank < 1 or n_microbatches < 1:
         raise ValueError(f"pipeline: stages_per_rank ({stages_per_rank}) and n_microbatches ({n_microbatches}) "
                          f"must be positive")
+    if pp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("pipeline: the pp axis has size 1, so there is nothing to pipeline; parallelise the "
+                         "model over the other axes with shard/hsdp directly, or give the pp axis more ranks")
     if schedule in _SINGLE_STAGE and stages_per_rank != 1:
         raise ValueError(f"pipeline: schedule {schedule!r} runs one stage per rank; use 'interleaved_1f1b' "
                          f"(or 'interleaved_zb', 'zbv') for stages_per_rank={stages_per_rank}")
@@ -116,17 +123,21 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
                          f"config.tie_word_embeddings=False) before pipeline()")
 
 
-def _parallelize_stages(model: nn.Module, views: list, mesh: DeviceMesh, axis: str, kwargs: dict) -> None:
-    """`shard` on "tp" and `hsdp` on "dp" for every stage, over the mesh's axes other than `axis`."""
+def _check_parallelize_kwargs(mesh: DeviceMesh, kwargs: dict) -> None:
     unknown = set(kwargs) - {"tp", "hsdp"}
     if unknown:
         raise ValueError(f"pipeline: unknown arguments {sorted(unknown)}; parallelize_kwargs takes tp= and hsdp=")
+    names = mesh.mesh_dim_names
+    if kwargs.get("tp") is not None and "tp" not in names:
+        raise ValueError(f"pipeline: tp={kwargs['tp']!r} needs a 'tp' axis; the mesh has {names}")
+    if kwargs.get("hsdp") is not None and "dp" not in names:
+        raise ValueError(f"pipeline: hsdp={kwargs['hsdp']!r} needs a 'dp' axis; the mesh has {names}")
+
+
+def _parallelize_stages(model: nn.Module, views: list, mesh: DeviceMesh, axis: str, kwargs: dict) -> None:
+    """`shard` on "tp" and `hsdp` on "dp" for every stage, over the mesh's axes other than `axis`."""
     tp, dp_args = kwargs.get("tp"), kwargs.get("hsdp")
     names = mesh.mesh_dim_names
-    if tp is not None and "tp" not in names:
-        raise ValueError(f"pipeline: tp={tp!r} needs a 'tp' axis; the mesh has {names}")
-    if dp_args is not None and "dp" not in names:
-        raise ValueError(f"pipeline: hsdp={dp_args!r} needs a 'dp' axis; the mesh has {names}")
     if tp is not None:
         from ..shard import shard
         shard(model, tp, mesh["tp"])
@@ -161,7 +172,7 @@ class Pipeline:
     """This rank's stages of a pipelined model and the torch schedule that runs them."""
 
     def __init__(self, model: nn.Module, views: list, specs: list, mesh: DeviceMesh, axis: str, schedule: str,
-                 n_microbatches: int, recipe: cut.Recipe):
+                 n_microbatches: int, recipe: cut.Recipe, key_owner: dict, whole_meta: dict):
         self.model = model                  # pruned: holds this rank's stages, under the original names
         self.stages = views                 # one module per local stage (cut.stage_view)
         self.specs = specs
@@ -178,6 +189,9 @@ class Pipeline:
         n_stages = specs[0].n_stages
         self.last_owner = stage_rank(n_stages - 1, self.pp, SCHEDULES[schedule][1])
         self._schedules: dict = {}
+        self._key_owner = key_owner          # state_dict key -> pp coordinate holding it
+        self._whole_meta = whole_meta        # state_dict key -> (shape, dtype) of the whole model
+        self._owner_meshes = stage_owner_meshes(mesh, mesh.axis_index(axis))
         self._valid_tokens = 1
         self._loss_scale = 1.0
 
