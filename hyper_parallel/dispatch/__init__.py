@@ -12,6 +12,10 @@ from .dispatcher import STATS, clear_caches, count_calls, torch_function
 from .registry import MissingOpError, load_builtin_rules, record_missing_ops, register_ops
 
 
+def _check_env() -> bool:
+    return os.environ.get("HYPER_PARALLEL_CHECK", "") not in ("", "0")
+
+
 def _accelerated():
     """The C version of the replicated no-grad path, if it was built and not switched off."""
     if os.environ.get("HYPER_PARALLEL_PURE_PYTHON", "") not in ("", "0"):
@@ -30,5 +34,10 @@ _dtensor_module._engine_dispatch = engine_dispatch
 _fastpath = _accelerated()
 DTensor.__torch_function__ = staticmethod(_fastpath.torch_function if _fastpath else torch_function)
 
+from .check import set_check  # noqa: E402  (wraps the __torch_function__ just installed)
+from ..redistribute.check import CheckError, CollectiveError  # noqa: E402
+if _check_env():
+    set_check(True)
+
 __all__ = ["MissingOpError", "record_missing_ops", "register_ops", "load_builtin_rules", "STATS", "clear_caches",
-           "count_calls"]
+           "count_calls", "set_check", "CheckError", "CollectiveError"]
