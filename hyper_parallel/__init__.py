@@ -11,6 +11,7 @@ from .parallel.custom_shard import custom_shard
 from .checkpoint.pretrained import from_pretrained, save_pretrained
 from .parallel.expert import expert_parallel
 from .parallel.context import context_parallel
+from .parallel.pipeline import Pipeline, pipeline
 
 _load_builtin_rules()
 
@@ -24,4 +25,5 @@ __all__ += ["hsdp"]
 __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "custom_shard"]
 __all__ += ["expert_parallel"]
 __all__ += ["context_parallel"]
+__all__ += ["pipeline", "Pipeline"]
 __version__ = "0.1.0"
