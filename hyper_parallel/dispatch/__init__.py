@@ -4,12 +4,14 @@ import os
 import torch
 
 from ..dtensor import dtensor as _dtensor_module
+from ..dtensor.autograd import local_input, wrap_local
 from ..dtensor.dtensor import DTensor
 from ..layout.layout import Layout, replicate_layout
 from . import dispatcher
 from .engine_ops import engine_dispatch
 from .dispatcher import STATS, clear_caches, count_calls, torch_function
-from .registry import MissingOpError, load_builtin_rules, record_missing_ops, register_ops
+from ..redistribute.planner import redistribute_local
+from .registry import _RECORDERS, MissingOpError, load_builtin_rules, record_missing_ops, register_ops
 
 
 def _accelerated():
@@ -23,6 +25,11 @@ def _accelerated():
     _fastpath.configure(DTensor, torch.Tensor, Layout, dispatcher._FAST, dispatcher.torch_function_after_c,
                         torch.is_grad_enabled, torch.Tensor._make_wrapper_subclass, torch.strided, dispatcher._wrap_replicated,
                         replicate_layout)
+    _fastpath.configure_grad(dispatcher._PASSTHROUGH, torch._C._disabled_torch_function_impl, local_input, wrap_local,
+                             dispatcher._note_view, dispatcher.torch_function_after_c_grad,
+                             _fastpath._under_disabled_torch_function, dispatcher._NOT_HANDLED, dispatcher._NO_KWARGS)
+    _fastpath.configure_decision(dispatcher._RULE_OF, dispatcher._CACHE, _RECORDERS, redistribute_local,
+                                 dispatcher._wrap_outs)
     return _fastpath
 
 
