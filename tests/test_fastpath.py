@@ -309,6 +309,28 @@ def test_the_c_twins_cover_grad_mode_metadata_and_decision_hits(python_fallbacks
     assert python_fallbacks == []
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_over_dtensor_parameters_equals_plain(path, foreach):
+    """AdamW's per-tensor loop and its foreach path (what CUDA picks for DTensor parameters, as for plain ones)."""
+    from torch.optim.optimizer import _foreach_supported_types
+    assert DTensor in _foreach_supported_types
+    g = torch.Generator().manual_seed(3)
+    values = [torch.randn(4, 6, generator=g), torch.randn(6, generator=g)]
+    grads = [torch.randn(4, 6, generator=g), torch.randn(6, generator=g)]
+    results = []
+    for make in (lambda t: t, rep, split):
+        params = [torch.nn.Parameter(make(v.clone())) for v in values]
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, foreach=foreach)
+        for _ in range(3):
+            for p, gr in zip(params, grads):
+                p.grad = make(gr.clone())
+            opt.step()
+        results.append([p.full_tensor() if type(p) is DTensor else p.detach() for p in params])
+    for got in results[1:]:
+        for w, v in zip(results[0], got):
+            assert torch.allclose(v, w, atol=1e-6)
+
+
 def _split_cases():
     return {
         "add": lambda a, b: a + b,

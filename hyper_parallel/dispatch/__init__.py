@@ -2,6 +2,7 @@
 import os
 
 import torch
+from torch.optim import optimizer as _optimizer
 
 from ..dtensor import dtensor as _dtensor_module
 from ..dtensor.autograd import local_input, wrap_local
@@ -36,6 +37,12 @@ def _accelerated():
 _dtensor_module._engine_dispatch = engine_dispatch
 _fastpath = _accelerated()
 DTensor.__torch_function__ = staticmethod(_fastpath.torch_function if _fastpath else torch_function)
+
+# Optimizers take their foreach path (one call per op over all parameters instead of a Python loop over them) only
+# for the types in this list; torch's DTensor registers itself the same way. On CPU torch picks the per-tensor loop
+# for every type, so this changes what runs only where foreach kernels exist (CUDA), as it does for plain tensors.
+if DTensor not in _optimizer._foreach_supported_types:
+    _optimizer._foreach_supported_types.append(DTensor)
 
 __all__ = ["MissingOpError", "record_missing_ops", "register_ops", "load_builtin_rules", "STATS", "clear_caches",
            "count_calls"]
