@@ -164,6 +164,41 @@ done:
     return layout;
 }
 
+/* The keyword arguments with DTensors replaced by their locals in *local_kwargs (this call's own copy, made on
+   first use; left NULL when there are none): 0; 1 when the call is not covered (a split input, another mesh, a
+   list or tuple value, more inputs that require grad than `needs` holds); -1 on error. With `needs` (grad mode),
+   the DTensors whose wrapper requires grad are noted there. */
+typedef struct Need Need;
+static int note_need(Need *needs, int *n, Py_ssize_t i, Py_ssize_t j, PyObject *key);
+static int wrapper_requires_grad(PyObject *dt);
+
+static int local_kwargs_of(PyObject *kwargs, PyObject **mesh, PyObject **local_kwargs, Need *needs, int *n_needs) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(kwargs, &pos, &k, &v)) {
+        if (Py_TYPE(v) == dtensor_type) {
+            PyObject *loc = unwrap(v, mesh);
+            if (loc == NULL) return -1;
+            if (loc == NOT_HANDLED) return 1;
+            if (*local_kwargs == NULL && (*local_kwargs = PyDict_Copy(kwargs)) == NULL) {
+                Py_DECREF(loc);
+                return -1;
+            }
+            int failed = PyDict_SetItem(*local_kwargs, k, loc) < 0;
+            Py_DECREF(loc);
+            if (failed) return -1;
+            if (needs != NULL) {
+                int rg = wrapper_requires_grad(v);
+                if (rg < 0) return -1;
+                if (rg && !note_need(needs, n_needs, -1, -1, k)) return 1;
+            }
+        } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *wrap(PyObject *out, PyObject *mesh) {
     PyObject *shape = PyObject_GetAttr(out, s_shape);
     if (shape == NULL) return NULL;
@@ -221,24 +256,9 @@ static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwar
         PyTuple_SET_ITEM(locs, i, loc);
     }
     if (kwargs != NULL) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(kwargs, &pos, &k, &v)) {
-            if (Py_TYPE(v) == dtensor_type) {
-                PyObject *loc = unwrap(v, &mesh);
-                if (loc == NULL || loc == NOT_HANDLED) { res = loc; goto done; }
-                if (local_kwargs == NULL && (local_kwargs = PyDict_Copy(kwargs)) == NULL) {
-                    Py_DECREF(loc);
-                    res = NULL;
-                    goto done;
-                }
-                int failed = PyDict_SetItem(local_kwargs, k, loc) < 0;
-                Py_DECREF(loc);
-                if (failed) { res = NULL; goto done; }
-            } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
-                goto done;
-            }
-        }
+        int r = local_kwargs_of(kwargs, &mesh, &local_kwargs, NULL, NULL);
+        if (r < 0) { res = NULL; goto done; }
+        if (r) goto done;
     }
     if (mesh == NULL || n == 0) goto done;
     if (inplace == Py_True) {
@@ -273,10 +293,10 @@ done:
    known to be covered, so a declined call has run nothing. */
 #define MAX_NEEDS 16
 
-typedef struct {
+struct Need {
     Py_ssize_t i, j;  /* positional argument, index in its list/tuple (-1: the argument itself) */
     PyObject *key;    /* or a keyword argument (borrowed), i = -1 */
-} Need;
+};
 
 /* The DTensor `dt` requires grad at its wrapper: 1, 0, or -1 on error. */
 static int wrapper_requires_grad(PyObject *dt) {
@@ -346,27 +366,9 @@ static PyObject *replicated_local_grad(PyObject *func, PyObject *args, PyObject 
         }
     }
     if (kwargs != NULL) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(kwargs, &pos, &k, &v)) {
-            if (Py_TYPE(v) == dtensor_type) {
-                PyObject *loc = unwrap(v, &mesh);
-                if (loc == NULL || loc == NOT_HANDLED) { res = loc; goto done; }
-                if (local_kwargs == NULL && (local_kwargs = PyDict_Copy(kwargs)) == NULL) {
-                    Py_DECREF(loc);
-                    res = NULL;
-                    goto done;
-                }
-                int failed = PyDict_SetItem(local_kwargs, k, loc) < 0;
-                Py_DECREF(loc);
-                if (failed) { res = NULL; goto done; }
-                int rg = wrapper_requires_grad(v);
-                if (rg < 0) { res = NULL; goto done; }
-                if (rg && !note_need(needs, &n_needs, -1, -1, k)) goto done;
-            } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
-                goto done;
-            }
-        }
+        int r = local_kwargs_of(kwargs, &mesh, &local_kwargs, needs, &n_needs);
+        if (r < 0) { res = NULL; goto done; }
+        if (r) goto done;
     }
     if (mesh == NULL) goto done;
     /* Covered: from here on the call runs. Inputs that require grad enter through local_input. */
