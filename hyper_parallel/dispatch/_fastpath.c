@@ -624,6 +624,7 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
         if (layout0 == NULL) { Py_CLEAR(res); goto done; }
         int moved = PySequence_Fast_GET_ITEM(in_layouts, 0) != layout0 || local_fn != Py_None;
         Py_DECREF(layout0);
+        if (!moved && !grad_mode) goto done;  /* as _dispatch: a no-grad view of the unmoved input needs no note */
         PyObject *noted = PyObject_CallFunctionObjArgs(note_view_fn, res, args,
                                                        moved ? Py_None : PyTuple_GET_ITEM(largs, 0), out, func, largs,
                                                        empty_dict, NULL);

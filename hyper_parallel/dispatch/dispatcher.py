@@ -587,7 +587,10 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
     if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0]:
         moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
-        _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
+        # A view of the unmoved input made without grad needs no note, as on the replicated path: its local is a
+        # torch view made without grad, which torch itself refuses to write into with grad mode on.
+        if moved or grad_mode:
+            _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
     return res
 
 
