@@ -1,5 +1,5 @@
 """hyper_parallel: run Hugging Face transformers models distributed by laying out DTensors."""
-from .dispatch import MissingOpError, record_missing_ops, register_ops
+from .dispatch import CheckError, CollectiveError, MissingOpError, record_missing_ops, register_ops, set_check
 from .dispatch.registry import load_builtin_rules as _load_builtin_rules
 from .dtensor import DTensor, distribute_tensor
 from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, init_device_mesh
@@ -13,6 +13,7 @@ __all__ = [
     "DTensor", "Layout", "DeviceMesh", "init_device_mesh", "Shard", "Replicate", "Partial", "Placement",
     "distribute_tensor", "comm_counter", "MissingOpError", "record_missing_ops", "register_ops",
 ]
+__all__ += ["set_check", "CheckError", "CollectiveError"]
 __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
 __all__ += ["hsdp"]
 __version__ = "0.1.0"

@@ -413,3 +413,11 @@ if given is not None:
         for c, p, w in zip(got["c"], got["python"], want):
             assert torch.equal(c, p)
             assert torch.allclose(c, w, atol=1e-5)
+
+
+def test_metadata_passthrough_with_kwargs_none(path):
+    """__torch_function__(func, types, args, None), as check mode's wrapper calls it: the wrapper's own value."""
+    w = torch.nn.Parameter(rep(torch.randn(3)))
+    w.grad = rep(torch.ones(3))
+    got = DTensor.__torch_function__(torch.Tensor.grad.__get__, (DTensor,), (w,), None)
+    assert got is w.grad and DTensor.__torch_function__(torch.is_complex, (DTensor,), (w,), None) is False

@@ -8,7 +8,6 @@ from the ranks that own it (point-to-point), so no rank ever holds more than one
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from contextlib import ExitStack
@@ -21,7 +20,7 @@ from torch import nn
 from ..dtensor.dtensor import DTensor
 from . import comm
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .format import SafetensorsWriter
+from .format import SafetensorsWriter, hf_weight_map
 from .loader import SliceReader
 from .pieces import local_of, overlap, region, writer_pieces
 from .saver import make_tmp, publish
@@ -122,7 +121,7 @@ def _hf_files(folder: Path) -> dict:
         raise CheckpointNotFoundError(f"no Hugging Face checkpoint at {folder}")
     index = sorted(folder.glob("*.safetensors.index.json"))
     if index:
-        return dict(json.loads(index[0].read_text())["weight_map"])
+        return hf_weight_map(folder, index[0])
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointNotFoundError(f"no *.safetensors in {folder}")

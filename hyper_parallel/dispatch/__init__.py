@@ -11,8 +11,11 @@ from ..layout.layout import Layout, replicate_layout
 from . import dispatcher
 from .engine_ops import engine_dispatch
 from .dispatcher import STATS, clear_caches, count_calls, torch_function
-from ..redistribute.planner import redistribute_local
 from .registry import _RECORDERS, MissingOpError, load_builtin_rules, record_missing_ops, register_ops
+
+
+def _check_env() -> bool:
+    return os.environ.get("HYPER_PARALLEL_CHECK", "") not in ("", "0")
 
 
 def _accelerated():
@@ -29,8 +32,7 @@ def _accelerated():
     _fastpath.configure_grad(dispatcher._PASSTHROUGH, torch._C._disabled_torch_function_impl, local_input, wrap_local,
                              dispatcher._note_view, dispatcher.torch_function_after_c_grad,
                              _fastpath._under_disabled_torch_function, dispatcher._NOT_HANDLED, dispatcher._NO_KWARGS)
-    _fastpath.configure_decision(dispatcher._RULE_OF, dispatcher._CACHE, _RECORDERS, redistribute_local,
-                                 dispatcher._wrap_outs)
+    _fastpath.configure_decision(dispatcher._RULE_OF, dispatcher._CACHE, _RECORDERS, dispatcher._wrap_outs)
     return _fastpath
 
 
@@ -44,5 +46,10 @@ DTensor.__torch_function__ = staticmethod(_fastpath.torch_function if _fastpath 
 if DTensor not in _optimizer._foreach_supported_types:
     _optimizer._foreach_supported_types.append(DTensor)
 
+from .check import set_check  # noqa: E402  (wraps the __torch_function__ just installed)
+from ..redistribute.check import CheckError, CollectiveError  # noqa: E402
+if _check_env():
+    set_check(True)
+
 __all__ = ["MissingOpError", "record_missing_ops", "register_ops", "load_builtin_rules", "STATS", "clear_caches",
-           "count_calls"]
+           "count_calls", "set_check", "CheckError", "CollectiveError"]

@@ -38,7 +38,6 @@ static PyObject *s_requires_grad, *s_base;
 static PyObject *rule_of;             /* dispatcher._RULE_OF: func -> (name, rule, inplace) */
 static PyObject *decisions;           /* dispatcher._CACHE: call key -> Decision */
 static PyObject *recorders;           /* registry._RECORDERS: while any records, every call takes the Python path */
-static PyObject *redistribute_fn;     /* redistribute_local(local, layout, target, shape) */
 static PyObject *wrap_outs_fn;        /* dispatcher._wrap_outs(out, layouts, shapes, grad) */
 static PyObject *s_float_args_matter, *s_in_layouts, *s_grad_layouts, *s_out_layouts, *s_out_shapes, *s_local_fn;
 
@@ -447,10 +446,10 @@ done:
 
 /* ---- the decision path's cache hit: dispatcher._dispatch for a flat call (tensors only among positional
    arguments, no keyword arguments) whose key is in the decision cache ----------------------------------------
-   Same key as _dispatch builds, same Decision replayed: inputs already in their target layout are used as they
-   are, others go through redistribute_local, inputs that require grad (in grad mode) through local_input. A
-   plain tensor among the arguments, a list, a slice, recording, a replicated call or a cache miss return
-   NOT_HANDLED before anything has run. Runs inside _disabled_torch_function_impl, as _dispatch runs inside
+   Same key as _dispatch builds, same Decision replayed when it moves no input (every input already in its target
+   layout, used as it is; in grad mode an input that requires grad through local_input). A plain tensor among the
+   arguments, a list, a slice, recording, a replicated call, a cache miss or a decision that redistributes an
+   input return NOT_HANDLED before anything has run. Runs inside _disabled_torch_function_impl, as _dispatch runs inside
    DisableTorchFunctionSubclass. */
 static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, int grad_mode) {
     if (rule_of == NULL || !PyTuple_Check(args)) return NOT_HANDLED;
@@ -538,6 +537,21 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
     }
     if (!PyList_Check(in_layouts) && !PyTuple_Check(in_layouts)) goto done;
     if (!PyList_Check(grad_layouts) && !PyTuple_Check(grad_layouts)) goto done;
+    {   /* Only hits that move no input: a redistribution may communicate, and collectives are issued from
+           _dispatch, whose frame check mode and CollectiveError read to name the op. */
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *a = PyTuple_GET_ITEM(args, i);
+            if (Py_TYPE(a) != dtensor_type) continue;
+            if (k >= PySequence_Fast_GET_SIZE(in_layouts) || k >= PySequence_Fast_GET_SIZE(grad_layouts)) goto done;
+            PyObject *layout = get_slot(a, &dt_layout);
+            if (layout == NULL) { res = NULL; goto done; }
+            int moves = PySequence_Fast_GET_ITEM(in_layouts, k) != layout;
+            Py_DECREF(layout);
+            if (moves) goto done;
+            k++;
+        }
+    }
     /* Covered: from here on the call runs. */
     largs = PyTuple_New(n);
     if (largs == NULL) { res = NULL; goto done; }
@@ -549,11 +563,6 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
             PyTuple_SET_ITEM(largs, i, a);
             continue;
         }
-        if (k >= PySequence_Fast_GET_SIZE(in_layouts) || k >= PySequence_Fast_GET_SIZE(grad_layouts)) {
-            PyErr_SetString(PyExc_RuntimeError, "decision with fewer input layouts than tensor inputs");
-            res = NULL;
-            goto done;
-        }
         PyObject *target = PySequence_Fast_GET_ITEM(in_layouts, k), *glay = PySequence_Fast_GET_ITEM(grad_layouts, k);
         k++;
         int rg = 0;
@@ -561,20 +570,10 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
             rg = wrapper_requires_grad(a);
             if (rg < 0) { res = NULL; goto done; }
         }
-        PyObject *layout = get_slot(a, &dt_layout);
-        if (layout == NULL) { res = NULL; goto done; }
-        if (rg) {
+        if (rg)
             loc = PyObject_CallFunctionObjArgs(local_input_fn, a, target, glay, NULL);
-        } else if (target == layout) {
+        else  /* target is the input's own layout (checked above) */
             loc = get_slot(a, &dt_local);
-        } else {
-            PyObject *l = get_slot(a, &dt_local), *shape = get_slot(a, &dt_shape);
-            loc = (l != NULL && shape != NULL) ? PyObject_CallFunctionObjArgs(redistribute_fn, l, layout, target, shape,
-                                                                              NULL) : NULL;
-            Py_XDECREF(l);
-            Py_XDECREF(shape);
-        }
-        Py_DECREF(layout);
         if (loc == NULL) { res = NULL; goto done; }
         PyTuple_SET_ITEM(largs, i, loc);
     }
@@ -707,7 +706,8 @@ static PyObject *torch_function(PyObject *module, PyObject *const *argv, Py_ssiz
         } else if (passthrough != NULL) {
             int meta = PySet_Contains(passthrough, func);
             if (meta < 0) PyErr_Clear();
-            else if (meta) return PyObject_Vectorcall(disabled_impl, argv, nargs, NULL);  /* the wrapper's own */
+            else if (meta)  /* the wrapper's own metadata; kwargs=None is not a mapping to torch's impl: leave it out */
+                return PyObject_Vectorcall(disabled_impl, argv, nargs >= 4 && argv[3] == Py_None ? 3 : nargs, NULL);
         }
     }
     return PyObject_Vectorcall(python_path, argv, nargs, kwnames);
@@ -782,13 +782,13 @@ static PyObject *configure_grad(PyObject *module, PyObject *args) {
 }
 
 static PyObject *configure_decision(PyObject *module, PyObject *args) {
-    PyObject *ro, *dc, *rc, *rd, *wo;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO:configure_decision", &PyDict_Type, &ro, &PyDict_Type, &dc, &PyList_Type, &rc,
-                          &rd, &wo))
+    PyObject *ro, *dc, *rc, *wo;
+    if (!PyArg_ParseTuple(args, "O!O!O!O:configure_decision", &PyDict_Type, &ro, &PyDict_Type, &dc, &PyList_Type, &rc,
+                          &wo))
         return NULL;
-    PyObject **slots[] = {&rule_of, &decisions, &recorders, &redistribute_fn, &wrap_outs_fn};
-    PyObject *vals[] = {ro, dc, rc, rd, wo};
-    for (int i = 0; i < 5; i++) {
+    PyObject **slots[] = {&rule_of, &decisions, &recorders, &wrap_outs_fn};
+    PyObject *vals[] = {ro, dc, rc, wo};
+    for (int i = 0; i < 4; i++) {
         Py_INCREF(vals[i]);
         Py_XSETREF(*slots[i], vals[i]);
     }

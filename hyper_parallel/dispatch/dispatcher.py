@@ -214,20 +214,26 @@ def _decide(func, name, rule, inplace, args, kwargs, leaves, mesh) -> Decision:
     ins = strat.in_layouts
     if len(ins) != len(specs):
         raise RuntimeError(f"rule {type(rule).__name__} for {name} gave {len(ins)} input layouts for {len(specs)} inputs")
+    donors = [i for i in rule.shape_only if i < len(specs)]
+    for i in donors:  # a shape or dtype donor is read where it lies
+        ins[i] = specs[i].layout
     outs = strat.out_layouts
     if outs is Strategy.REPLICATED:  # every output replicated: global shape = local shape, no meta needed
-        return Decision(ins, strat.grad_layouts or _grad_layouts(ins, []), None, None, strat.local_fn)
+        return Decision(ins, strat.grad_layouts or _grad_layouts(ins, [], donors), None, None, strat.local_fn)
     n_out = len(out_shapes) if out_shapes is not None else (len(outs) if isinstance(outs, (list, tuple)) else 1)
     if isinstance(outs, Layout) or outs is None:
         outs = [outs] * n_out
-    grads = strat.grad_layouts or _grad_layouts(ins, outs)
+    grads = strat.grad_layouts or _grad_layouts(ins, outs, donors)
     return Decision(ins, grads, list(outs), out_shapes, strat.local_fn)
 
 
-def _grad_layouts(ins, outs):
-    """Layouts of the local gradients of each input (the duality in dtensor/autograd.py)."""
+def _grad_layouts(ins, outs, donors=()):
+    """Layouts of the local gradients of each input (the duality in dtensor/autograd.py).
+
+    A mesh axis that splits some input or output splits the computation: an input replicated over it
+    gets a pending-sum gradient. `donors` (inputs that only lend a shape or dtype) split nothing."""
     split = set()
-    for lay in list(ins) + [o for o in outs if o is not None]:
+    for lay in [lay for i, lay in enumerate(ins) if i not in donors] + [o for o in outs if o is not None]:
         split.update(lay.sharded_axes)
         split.update(a for a, p in enumerate(lay.partial) if p is not None)
     out = []
@@ -585,7 +591,7 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         res = wrap_local(out, layout, shape) if grad and out.requires_grad else make_dtensor(out, layout, shape)
     else:
         res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
-    if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0]:
+    if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0] and type(args[0]) is DTensor:
         moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
         # A view of the unmoved input made without grad needs no note, as on the replicated path: its local is a
         # torch view made without grad, which torch itself refuses to write into with grad mode on.

@@ -191,11 +191,22 @@ def retain_grad(t) -> None:
     return None
 
 
+def _run_engine(func, args, kwargs):
+    """Call the autograd API `func` with DTensor dispatch on for everything the engine runs.
+
+    The dispatcher calls the bridge with subclass torch functions disabled, and the autograd engine
+    keeps the caller's torch-function state for the whole backward: hooks and activation-checkpoint
+    recomputation would then meet DTensors below the dispatcher. So the state is re-enabled and only
+    this one call skips the override (torch.overrides.redispatch_function)."""
+    with torch._C._EnableTorchFunction():
+        return torch.overrides.redispatch_function(func, (_dt.DTensor,), args, kwargs)
+
+
 def grad(outputs, inputs, *args, **kwargs):
     """torch.autograd.grad with DTensor inputs: asked of their locals where the gradient arrives there."""
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     asked = [t._local if _at_local(t) else t for t in inputs]
-    grads = torch.autograd.grad(outputs, asked, *args, **kwargs)
+    grads = _run_engine(torch.autograd.grad, (outputs, asked) + args, kwargs)
     return tuple(_as_grad(g, t) if a is not t else g for g, t, a in zip(grads, inputs, asked))
 
 
@@ -203,13 +214,13 @@ def backward(func, args, kwargs):
     """torch.autograd.backward / Tensor.backward; `inputs=` whose gradient arrives at their local get it there."""
     inputs = kwargs.get("inputs")
     if inputs is None:
-        return func(*args, **kwargs)
+        return _run_engine(func, args, kwargs)
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     moved = [t for t in inputs if _at_local(t)]
     kwargs = dict(kwargs, inputs=[t._local if _at_local(t) else t for t in inputs])
     with _reading_non_leaf_grads():
         before = [t._local.grad for t in moved]
-    result = func(*args, **kwargs)
+    result = _run_engine(func, args, kwargs)
     with torch.no_grad(), _reading_non_leaf_grads():
         for t, old in zip(moved, before):
             g, t._local.grad = t._local.grad, old

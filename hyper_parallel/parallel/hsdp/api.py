@@ -27,6 +27,8 @@ and need the reduction op rules.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -100,10 +102,7 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
         if isinstance(m, HSDPModule) or hasattr(m, "_hsdp_state"):
             raise ValueError(f"hsdp: {'the model' if m is model else type(m).__name__} is already wrapped by hsdp; "
                              f"call hsdp once, on the whole model")
-    if optimizer_level not in _LEVELS:
-        raise ValueError(f"hsdp: unknown optimizer_level {optimizer_level!r}; use one of {sorted(_LEVELS)}")
-    if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
-        raise TypeError(f"hsdp: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
+    _check_arguments(shard_size, threshold, optimizer_level, grad_scale, reduce_dtype, bucket_size)
     level = _LEVELS[optimizer_level]
     registrations = _registrations(model)
     params = [p for p, _ in registrations.values()]
@@ -128,6 +127,29 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
     cls = type(model)
     model.__class__ = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {})
     return model
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_arguments(shard_size, threshold, optimizer_level, grad_scale, reduce_dtype, bucket_size) -> None:
+    """Refuse invalid arguments before anything is sharded. Decided from the arguments alone, so every rank
+    (called with the same arguments) raises the same error and none is left waiting in a collective."""
+    if optimizer_level not in _LEVELS:
+        raise ValueError(f"hsdp: unknown optimizer_level {optimizer_level!r}; use one of {sorted(_LEVELS)}")
+    if not _is_number(threshold) or threshold < 0:
+        raise ValueError(f"hsdp: threshold={threshold!r} must be a size in KB >= 0 (parameters smaller than it "
+                         f"stay unsharded; 0 shards every parameter)")
+    if not (isinstance(shard_size, int) and not isinstance(shard_size, bool) and (shard_size == -1 or shard_size >= 1)):
+        raise ValueError(f"hsdp: shard_size={shard_size!r} must be -1 (all data-parallel ranks) or a positive "
+                         f"divisor of the data-parallel size")
+    if bucket_size is not None and (not _is_number(bucket_size) or (bucket_size < 0 and bucket_size != -1)):
+        raise ValueError(f"hsdp: bucket_size={bucket_size!r} must be a size in KB >= 0, or -1 (one bucket per module)")
+    if not _is_number(grad_scale):
+        raise ValueError(f"hsdp: grad_scale={grad_scale!r} must be a finite number")
+    if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+        raise TypeError(f"hsdp: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
 
 
 def _registrations(model: nn.Module) -> dict:

@@ -16,7 +16,7 @@ Per level (`buffer` is the unsharded parameter):
   module's forward and backward and resized to zero after (as FSDP2 does). Autograd saved the very
   tensors that alias `buffer`, so refilling the storage is seen by backward; the version counter is
   preserved across the refill so autograd does not mistake it for an in-place edit.
-Parameters below the size threshold (and 0-d ones) are not sharded: `sparam` is replicated on dp and
+Parameters below the size threshold (and 0-d or one-row ones) are not sharded: `sparam` is replicated on dp and
 shares memory with `compute`; their gradients are all-reduced.
 """
 from __future__ import annotations
@@ -47,7 +47,9 @@ class HsdpParam:
         self.dtype = local.dtype
         self.level = level
         nbytes = local.numel() * local.element_size()
-        self.sharded = local.ndim > 0 and local.numel() > 0 and nbytes >= threshold_bytes and topo.shard_size > 1
+        # one row cannot be split (its dim is a broadcast dim to the elementwise rules an optimizer step uses)
+        self.sharded = (local.ndim > 0 and local.shape[0] > 1 and local.numel() > 0 and nbytes >= threshold_bytes
+                        and topo.shard_size > 1)
         S = topo.shard_size if self.sharded else 1
         self.parts = S
         rows = self.local_shape[0] if local.ndim else 1
@@ -74,9 +76,9 @@ class HsdpParam:
             self.full = self.buffer.view(self.local_shape)
             shard = self.full
             self.gathered = True
-        self.sparam = nn.Parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
+        self.sparam = _parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
         c = make_dtensor(self.full, self.compute_layout, self.global_shape) if is_dt else self.full
-        self.compute = nn.Parameter(c, self.requires_grad)
+        self.compute = _parameter(c, self.requires_grad)
         self.version = self._shard_version()
         self.free()
 
@@ -171,6 +173,14 @@ class HsdpParam:
     def install(self, which: nn.Parameter) -> None:
         for module, name in self.registrations:
             module._parameters[name] = which
+
+
+def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """An nn.Parameter around exactly `t`: its local tensor (a view of `buffer`) and its layout. Built below
+    the dispatcher (torch's own alias), which would otherwise plan a layout for the detach, and gathers a
+    shard that is empty on some rank (a parameter with fewer rows than shards)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return nn.Parameter(t, requires_grad)
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -42,6 +42,7 @@ class Unit:
         self.seen = 0
         self.reduced = False
         self.inflight = None  # (works, finishes, buffers, versions) of an issued gather
+        self.in_backward = False  # between its pre-backward hook and its gradients: compute params installed
         for p in self.grad_params:
             p.compute.register_post_accumulate_grad_hook(self._on_grad)
         self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -87,15 +88,29 @@ class Unit:
         for p in self.params:
             p.free()
 
+    def install_compute(self) -> None:
+        """Register the unsharded compute parameters in the modules (for a forward, or a backward)."""
+        for p in self.params:
+            p.install(p.compute)
+
+    def install_sharded(self) -> None:
+        """Register the sharded parameters again: what `model.parameters()` shows outside forward/backward."""
+        self.in_backward = False
+        for p in self.params:
+            p.install(p.sparam)
+
     # ---- hooks --------------------------------------------------------------------------
     def _pre_forward(self, module, args):
         state = self.state
+        if state.in_backward:  # activation checkpointing recomputes this forward inside backward
+            self.gather()
+            self.install_compute()
+            return None
         if self.is_root:
             state.begin_forward()
         state.order.append(self)
         self.gather()
-        for p in self.params:
-            p.install(p.compute)
+        self.install_compute()
         if state.comm_async:
             nxt = state.next_in_forward(self)
             if nxt is not None:
@@ -104,8 +119,9 @@ class Unit:
 
     def _post_forward(self, module, args, output):
         state = self.state
-        for p in self.params:
-            p.install(p.sparam)
+        if self.in_backward:
+            return output  # a recomputation inside this unit's backward: its parameters stay swapped in
+        self.install_sharded()
         grad = torch.is_grad_enabled()
         if state.level == 3 and (not self.is_root or not grad):
             self.free()
@@ -118,9 +134,15 @@ class Unit:
     def _pre_backward(self, grad):
         state = self.state
         state.backward_started()
+        # From here until its gradients are in, the unit's compute parameters are swapped in (as FSDP2's
+        # pre-backward unshard does): activation checkpointing recomputes the forward during backward, and
+        # must see the very parameters the first forward used, not the sharded ones.
         if state.level == 3:
             with torch.no_grad():
                 self.gather()
+        self.install_compute()
+        self.in_backward = True
+        if state.level == 3:
             if state.comm_async:
                 prev = state.prev_in_forward(self)
                 if prev is not None:
@@ -135,6 +157,7 @@ class Unit:
     def finish_backward(self) -> None:
         """All gradients of this unit are in: reduce them (when syncing) and free the parameters."""
         state = self.state
+        self.install_sharded()
         if state.level == 3 and not self.has_frozen:
             self.free()  # every use of the parameters in backward is done once all their gradients are
         if state.sync and not self.reduced and self.grad_params:
@@ -206,6 +229,7 @@ class HsdpState:
         self.order: list = []
         self.last_order: list = []
         self._callback_queued = False
+        self.in_backward = False  # from the first pre-backward hook to the end-of-backward callback
 
     # ---- forward order (prefetch targets) -------------------------------------------------
     def begin_forward(self) -> None:
@@ -237,11 +261,13 @@ class HsdpState:
     def backward_started(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
         """Reduce what did not complete, in a fixed order (the same on every rank), and clean up."""
         self._callback_queued = False
+        self.in_backward = False
         ordered = []
         for u in list(reversed(self.order)) + self.units:
             if u not in ordered:
@@ -253,5 +279,6 @@ class HsdpState:
         for u in self.units:
             u.seen = 0
             u.reduced = False
+            u.install_sharded()
             if self.level == 3:
                 u.free()
