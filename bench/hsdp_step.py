@@ -103,8 +103,13 @@ def peak_memory(name, args):
             train(model, opt, batches)
         del model, opt
         gc.collect()
+    return peak_in_window(prof, "measured_steps")
+
+
+def peak_in_window(prof, window_name: str) -> int:
+    """The most bytes of live tensors inside the record_function `window_name` of a memory profile."""
     events = prof.profiler.kineto_results.events()
-    window = next(e for e in events if e.name() == "measured_steps")
+    window = next(e for e in events if e.name() == window_name)
     mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     live, peak = 0, 0
     for t, nbytes in mem:

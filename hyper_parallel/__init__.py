@@ -1,11 +1,17 @@
 """hyper_parallel: run Hugging Face transformers models distributed by laying out DTensors."""
-from .dispatch import MissingOpError, record_missing_ops, register_ops
+from .dispatch import CheckError, CollectiveError, MissingOpError, record_missing_ops, register_ops, set_check
 from .dispatch.registry import load_builtin_rules as _load_builtin_rules
 from .dtensor import DTensor, distribute_tensor
 from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, init_device_mesh
 from .redistribute import comm_counter
 from .parallel.shard import ShardingPlan, init_parameters, load_sharded, shard, shard_module
 from .parallel.hsdp import hsdp
+from .parallel.parallelize import parallelize, summary
+from .parallel.custom_shard import custom_shard
+from .checkpoint.pretrained import from_pretrained, save_pretrained
+from .parallel.expert import expert_parallel
+from .parallel.context import context_parallel
+from .parallel.pipeline import Pipeline, pipeline
 
 _load_builtin_rules()
 
@@ -13,6 +19,11 @@ __all__ = [
     "DTensor", "Layout", "DeviceMesh", "init_device_mesh", "Shard", "Replicate", "Partial", "Placement",
     "distribute_tensor", "comm_counter", "MissingOpError", "record_missing_ops", "register_ops",
 ]
+__all__ += ["set_check", "CheckError", "CollectiveError"]
 __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
 __all__ += ["hsdp"]
+__all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "custom_shard"]
+__all__ += ["expert_parallel"]
+__all__ += ["context_parallel"]
+__all__ += ["pipeline", "Pipeline"]
 __version__ = "0.1.0"

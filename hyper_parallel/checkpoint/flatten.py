@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointCorruptError
+
 
 @dataclass
 class Leaf:
@@ -75,16 +77,34 @@ def encode_value(v: Any, key: str) -> Any:
                     f"JSON-like Python values (None, bool, int, float, str, list, tuple, dict, torch.dtype)")
 
 
-def decode_value(v: Any) -> Any:
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def decode_value(v: Any, where: str = "a stored value") -> Any:
+    """The Python value `encode_value` stored; anything it could not have written is a CheckpointCorruptError
+    naming `where` (a dtype tag must name a torch.dtype: an index is data, never a path to any torch attribute)."""
     if isinstance(v, list):
-        return [decode_value(x) for x in v]
+        return [decode_value(x, where) for x in v]
     if isinstance(v, dict):
-        if "__tuple__" in v:
-            return tuple(decode_value(x) for x in v["__tuple__"])
-        if "__float__" in v:
-            return float(v["__float__"])
-        if "__dict__" in v:
-            return {decode_value(k): decode_value(x) for k, x in v["__dict__"]}
-        if "__dtype__" in v:
-            return getattr(torch, v["__dtype__"])
-    return v
+        tag = next(iter(v), None) if len(v) == 1 else None
+        body = v.get(tag)
+        if tag == "__tuple__" and isinstance(body, list):
+            return tuple(decode_value(x, where) for x in body)
+        if tag == "__float__" and body in ("inf", "-inf", "nan"):
+            return float(body)
+        if tag == "__dict__" and isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body):
+            out = {}
+            for k, x in body:
+                k = decode_value(k, where)
+                try:
+                    out[k] = decode_value(x, where)
+                except TypeError:
+                    raise CheckpointCorruptError(f"{where}: a dict key cannot be {k!r:.100}") from None
+            return out
+        if tag == "__dtype__" and isinstance(body, str) and body in _DTYPES:
+            return _DTYPES[body]
+        raise CheckpointCorruptError(f"{where}: {v!r:.200} is not a value a checkpoint stores (tagged tuple, "
+                                     f"float, dict, or a torch dtype name)")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise CheckpointCorruptError(f"{where}: {v!r:.200} is not a value a checkpoint stores")

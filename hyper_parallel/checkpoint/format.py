@@ -124,8 +124,100 @@ def read_index(path: str | os.PathLike) -> dict:
         raise CheckpointCorruptError(f"{index_path} is not valid JSON (corrupt or truncated): {e}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{index_path} is not a {FORMAT_NAME} index")
-    if index.get("version", 0) > FORMAT_VERSION:
+    version = index.get("version", 0)
+    if not _is_int(version):
+        raise CheckpointCorruptError(f"{index_path}: 'version' must be an integer, got {version!r}")
+    if version > FORMAT_VERSION:
         raise CheckpointError(f"{index_path} has format version {index['version']}; this hyper_parallel reads "
                               f"up to {FORMAT_VERSION}")
+    check_index(index, folder, index_path)
     return index
+
+
+# ---- an index is data: check its whole structure before anything is opened -----------------
+def member_file(folder: Path, name, where: str, follow_links: bool = False) -> Path:
+    """`folder / name` for a file name read from an index, refused unless it stays inside `folder`.
+
+    A name must be a relative path without '..' (an absolute path or '..' could make a loader open any
+    file). `follow_links=False` also refuses a symbolic link that leads out of the folder (our own
+    checkpoints never contain links); Hugging Face cache snapshots are links into ../../blobs, so
+    their loader checks the name only."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointCorruptError(f"{where}: a file name must be a non-empty string, got {name!r}")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or "\\" in name:
+        raise CheckpointCorruptError(f"{where}: file {name!r} is outside the checkpoint folder {folder}; an index "
+                                     f"may only name files inside its own folder (no absolute paths, no '..')")
+    path = folder / rel
+    if not follow_links and not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointCorruptError(f"{where}: file {name!r} is a link to {path.resolve()}, outside the checkpoint "
+                                     f"folder {folder}; an index may only name files inside its own folder")
+    return path
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(v, n: int | None = None) -> bool:
+    return isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v) and (n is None or len(v) == n)
+
+
+def _need(ok: bool, where: str, what: str, value) -> None:
+    if not ok:
+        raise CheckpointCorruptError(f"{where}: {what}, got {value!r:.200}")
+
+
+def check_index(index: dict, folder: Path, index_path: Path) -> None:
+    """Raise CheckpointCorruptError naming the entry unless `index` has exactly the structure `save` writes:
+    files inside `folder`, torch dtypes, integer shapes and offsets, pieces that lie inside their tensor."""
+    for key, kind in (("world_size", int), ("files", dict), ("tensors", dict), ("values", dict)):
+        value = index.get(key)
+        _need(isinstance(value, kind) and not isinstance(value, bool), f"{index_path}: {key!r}",
+              f"must be {'an integer' if kind is int else 'a mapping'}", value)
+    for fname, info in index["files"].items():
+        where = f"{index_path}: files[{fname!r}]"
+        member_file(folder, fname, where)
+        _need(isinstance(info, dict) and _is_int(info.get("bytes")) and info["bytes"] >= 0, where,
+              "must be a mapping with an integer 'bytes'", info)
+    for key, entry in index["tensors"].items():
+        where = f"{index_path}: tensors[{key!r}]"
+        _need(isinstance(entry, dict), where, "must be a mapping", entry)
+        _need(isinstance(entry.get("dtype"), str) and entry["dtype"] in _TORCH_DTYPES, f"{where}['dtype']",
+              f"must name a torch dtype safetensors stores ({', '.join(sorted(_TORCH_DTYPES))})", entry.get("dtype"))
+        shape = entry.get("shape")
+        _need(_int_list(shape), f"{where}['shape']", "must be a list of non-negative integers", shape)
+        _need(entry.get("layout") is None or isinstance(entry["layout"], dict), f"{where}['layout']",
+              "must be a mapping or null", entry.get("layout"))
+        pieces = entry.get("pieces")
+        _need(isinstance(pieces, list), f"{where}['pieces']", "must be a list", pieces)
+        for i, piece in enumerate(pieces):
+            pw = f"{where}['pieces'][{i}]"
+            _need(isinstance(piece, dict), pw, "must be a mapping", piece)
+            _need(isinstance(piece.get("file"), str) and piece["file"] in index["files"], f"{pw}['file']",
+                  "must be one of the index's 'files'", piece.get("file"))
+            _need(isinstance(piece.get("name"), str), f"{pw}['name']", "must be a string", piece.get("name"))
+            _need(_is_int(piece.get("crc32")), f"{pw}['crc32']", "must be an integer", piece.get("crc32"))
+            offsets, sizes = piece.get("offsets"), piece.get("sizes")
+            _need(_int_list(offsets, len(shape)) and _int_list(sizes, len(shape))
+                  and all(o + n <= d for o, n, d in zip(offsets, sizes, shape)), pw,
+                  f"'offsets' and 'sizes' must be {len(shape)} non-negative integers inside the shape {shape}",
+                  {"offsets": offsets, "sizes": sizes})
+    from .flatten import decode_value  # checks every stored Python value (dtypes must be torch dtypes)
+    for key, value in index["values"].items():
+        decode_value(value, f"{index_path}: values[{key!r}]")
+
+
+def hf_weight_map(folder: Path, index_file: Path) -> dict:
+    """tensor name -> file of a Hugging Face `*.safetensors.index.json`, each file checked to lie in `folder`."""
+    try:
+        index = json.loads(index_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{index_file} is not valid JSON (corrupt or truncated): {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    _need(isinstance(weight_map, dict), f"{index_file}: 'weight_map'", "must be a mapping from tensor names to "
+          "safetensors file names", weight_map)
+    for name, fname in weight_map.items():
+        member_file(folder, fname, f"{index_file}: weight_map[{name!r}]", follow_links=True)
+    return dict(weight_map)
 

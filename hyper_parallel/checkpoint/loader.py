@@ -23,7 +23,7 @@ from ..dtensor.dtensor import DTensor
 from . import comm
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .flatten import decode_value, flatten
-from .format import INDEX_NAME, dtype_from_name, dtype_name, read_index, tensor_bytes
+from .format import INDEX_NAME, dtype_from_name, dtype_name, member_file, read_index, tensor_bytes
 from .pieces import covers_whole, local_of, overlap, region
 
 
@@ -58,8 +58,9 @@ class SliceReader:
         h = self.handles.get(fname)
         if h is None:
             from safetensors import safe_open
+            path = member_file(self.folder, fname, f"{self.folder}: reading {fname!r}", follow_links=True)
             try:
-                h = self.stack.enter_context(safe_open(str(self.folder / fname), framework="pt"))
+                h = self.stack.enter_context(safe_open(str(path), framework="pt"))
             except Exception as e:
                 raise CheckpointCorruptError(f"{self.folder / fname} cannot be opened as safetensors "
                                              f"(corrupt or truncated): {e}") from None

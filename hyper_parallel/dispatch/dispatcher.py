@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..dtensor import autograd as autograd_bridge
-from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Wrap, local_input
+from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Wrap, local_input, wrap_local
 from ..dtensor.dtensor import DTensor, make_dtensor
 from ..layout.layout import Layout, replicate_layout
 from ..redistribute.planner import redistribute_local
@@ -59,6 +59,23 @@ _AUTOGRAD_API = {
     Tensor.backward: autograd_bridge.backward,
 }
 _PASSTHROUGH.discard(Tensor.backward)
+
+
+def _set_data(func, args, kwargs):
+    """`param.data = new` (how `Module.to/float/half/cpu` convert parameters in place, keeping their
+    identity, ties and optimizer references): a DTensor takes the new wrapper's metadata *and* its shard."""
+    target, new = args
+    if (type(target) is DTensor) != (type(new) is DTensor):
+        raise TypeError(f"cannot assign a {type(new).__name__} to the .data of a {type(target).__name__}: "
+                        f"both must be DTensors (or both plain tensors)")
+    func(target, new)  # the wrapper's own dtype, device and shape
+    if type(target) is DTensor:
+        target._local, target._layout, target._shape = new._local, new._layout, new._shape
+
+
+_SET_DATA = Tensor.data.__set__
+_PASSTHROUGH.discard(_SET_DATA)
+_AUTOGRAD_API[_SET_DATA] = _set_data  # not autograd, but the same kind of whole-tensor API
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
                     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
 
@@ -214,20 +231,26 @@ def _decide(func, name, rule, inplace, args, kwargs, leaves, mesh) -> Decision:
     ins = strat.in_layouts
     if len(ins) != len(specs):
         raise RuntimeError(f"rule {type(rule).__name__} for {name} gave {len(ins)} input layouts for {len(specs)} inputs")
+    donors = [i for i in rule.shape_only if i < len(specs)]
+    for i in donors:  # a shape or dtype donor is read where it lies
+        ins[i] = specs[i].layout
     outs = strat.out_layouts
     if outs is Strategy.REPLICATED:  # every output replicated: global shape = local shape, no meta needed
-        return Decision(ins, strat.grad_layouts or _grad_layouts(ins, []), None, None, strat.local_fn)
+        return Decision(ins, strat.grad_layouts or _grad_layouts(ins, [], donors), None, None, strat.local_fn)
     n_out = len(out_shapes) if out_shapes is not None else (len(outs) if isinstance(outs, (list, tuple)) else 1)
     if isinstance(outs, Layout) or outs is None:
         outs = [outs] * n_out
-    grads = strat.grad_layouts or _grad_layouts(ins, outs)
+    grads = strat.grad_layouts or _grad_layouts(ins, outs, donors)
     return Decision(ins, grads, list(outs), out_shapes, strat.local_fn)
 
 
-def _grad_layouts(ins, outs):
-    """Layouts of the local gradients of each input (the duality in dtensor/autograd.py)."""
+def _grad_layouts(ins, outs, donors=()):
+    """Layouts of the local gradients of each input (the duality in dtensor/autograd.py).
+
+    A mesh axis that splits some input or output splits the computation: an input replicated over it
+    gets a pending-sum gradient. `donors` (inputs that only lend a shape or dtype) split nothing."""
     split = set()
-    for lay in list(ins) + [o for o in outs if o is not None]:
+    for lay in [lay for i, lay in enumerate(ins) if i not in donors] + [o for o in outs if o is not None]:
         split.update(lay.sharded_axes)
         split.update(a for a, p in enumerate(lay.partial) if p is not None)
     out = []
@@ -248,7 +271,7 @@ def _wrap_out(out, layouts, shapes, grad, it):
         else:  # no meta kernel: even splits assumed, which rules for such ops guarantee
             shape = tuple(n * layout.shard_count(d) for d, n in enumerate(out.shape))
         if grad and out.requires_grad:
-            return Wrap.apply(out, layout, shape)
+            return wrap_local(out, layout, shape)
         return make_dtensor(out, layout, shape)
     t = type(out)
     if t is tuple or t is list:
@@ -258,13 +281,18 @@ def _wrap_out(out, layouts, shapes, grad, it):
     return out
 
 
+def _wrap_outs(out, layouts, shapes, grad):
+    """A decision's outputs wrapped with their layouts (what `_dispatch` does for several outputs; the C twin's)."""
+    return _wrap_out(out, layouts, shapes, grad, iter(range(len(layouts))))
+
+
 def _wrap_replicated(out, mesh, grad):
     if isinstance(out, Tensor):
         if type(out) is DTensor:
             return out
         layout = replicate_layout(mesh, out.ndim)
         if grad and out.requires_grad:
-            return Wrap.apply(out, layout, tuple(out.shape))
+            return wrap_local(out, layout, tuple(out.shape))
         return make_dtensor(out, layout, tuple(out.shape))
     t = type(out)
     if t is tuple or t is list:
@@ -316,6 +344,13 @@ def torch_function(func, types, args=(), kwargs=None):
 def torch_function_after_c(func, types, args=(), kwargs=None):
     """Where the C twin hands a call on: it has tried exactly what `_replicated_local` tries without grad."""
     return _after_no_grad_path(func, args, kwargs, _FAST.get(func), _is_grad_enabled())
+
+
+def torch_function_after_c_grad(func, types, args=(), kwargs=None):
+    """Where the C twin hands a grad-mode call of a `_FAST` func that it declined, before running anything, for
+    exactly the reasons `_replicated_local(..., grad=True, inplace=False)` would: the general path."""
+    with _DisableTF():
+        return _dispatch(func, args, kwargs or _NO_KWARGS, False)
 
 
 def _after_no_grad_path(func, args, kwargs, inplace, grad_mode):
@@ -426,7 +461,7 @@ def _replicated_local(func, args, kwargs, grad, inplace):
     shape = out.shape
     layout = mesh.replicated_layouts.get(len(shape)) or replicate_layout(mesh, len(shape))
     if grad and out.requires_grad:
-        res = Wrap.apply(out, layout, shape)
+        res = wrap_local(out, layout, shape)
     else:
         res = _make_wrapper(DTensor, shape, None, None, None, out.dtype, _strided, out.device)
         res._local = out
@@ -570,12 +605,15 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         return _wrap_replicated(out, mesh, grad)
     if type(out) is Tensor and dec.out_shapes is not None:
         layout, shape = dec.out_layouts[0], dec.out_shapes[0]
-        res = Wrap.apply(out, layout, shape) if grad and out.requires_grad else make_dtensor(out, layout, shape)
+        res = wrap_local(out, layout, shape) if grad and out.requires_grad else make_dtensor(out, layout, shape)
     else:
         res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
-    if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0]:
+    if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0] and type(args[0]) is DTensor:
         moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
-        _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
+        # A view of the unmoved input made without grad needs no note, as on the replicated path: its local is a
+        # torch view made without grad, which torch itself refuses to write into with grad mode on.
+        if moved or grad_mode:
+            _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
     return res
 
 

@@ -112,6 +112,22 @@ class InplaceViewWrap(torch.autograd.Function):
         return _dt.make_dtensor(g, ctx.layout.without_partial(), ctx.shape), g_view, None
 
 
+# `autograd.Function.apply` is a Python preamble (default-argument binding for setup_context functions, functorch's
+# dead-wrapper unwrapping) around the C `_FunctionBase.apply`. Wrap and Unwrap define no setup_context, and outside
+# functorch transforms the preamble hands the arguments on unchanged, so the hot path calls the C apply directly.
+_c_apply = torch._C._FunctionBase.__dict__["apply"]
+_wrap_c_apply = _c_apply.__get__(None, Wrap)
+_unwrap_c_apply = _c_apply.__get__(None, Unwrap)
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def wrap_local(local, layout, shape):
+    """`Wrap.apply(local, layout, shape)` (the DTensor of a local result that requires grad), without the preamble."""
+    if _functorch_active():
+        return Wrap.apply(local, layout, shape)
+    return _wrap_c_apply(local, layout, shape)
+
+
 def local_input(t, target, grad_layout):
     """The local tensor an op computes with, autograd-connected to the DTensor `t` (which requires grad).
 
@@ -120,7 +136,9 @@ def local_input(t, target, grad_layout):
     local = t._local
     if local.requires_grad and target is t._layout and grad_layout is target:
         return local
-    return Unwrap.apply(t, target, grad_layout, t.grad_fn is None)
+    if _functorch_active():
+        return Unwrap.apply(t, target, grad_layout, t.grad_fn is None)
+    return _unwrap_c_apply(t, target, grad_layout, t.grad_fn is None)
 
 
 # ---- the autograd API on wrappers whose gradient arrives at their local -----------------------
@@ -173,11 +191,22 @@ def retain_grad(t) -> None:
     return None
 
 
+def _run_engine(func, args, kwargs):
+    """Call the autograd API `func` with DTensor dispatch on for everything the engine runs.
+
+    The dispatcher calls the bridge with subclass torch functions disabled, and the autograd engine
+    keeps the caller's torch-function state for the whole backward: hooks and activation-checkpoint
+    recomputation would then meet DTensors below the dispatcher. So the state is re-enabled and only
+    this one call skips the override (torch.overrides.redispatch_function)."""
+    with torch._C._EnableTorchFunction():
+        return torch.overrides.redispatch_function(func, (_dt.DTensor,), args, kwargs)
+
+
 def grad(outputs, inputs, *args, **kwargs):
     """torch.autograd.grad with DTensor inputs: asked of their locals where the gradient arrives there."""
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     asked = [t._local if _at_local(t) else t for t in inputs]
-    grads = torch.autograd.grad(outputs, asked, *args, **kwargs)
+    grads = _run_engine(torch.autograd.grad, (outputs, asked) + args, kwargs)
     return tuple(_as_grad(g, t) if a is not t else g for g, t, a in zip(grads, inputs, asked))
 
 
@@ -185,13 +214,13 @@ def backward(func, args, kwargs):
     """torch.autograd.backward / Tensor.backward; `inputs=` whose gradient arrives at their local get it there."""
     inputs = kwargs.get("inputs")
     if inputs is None:
-        return func(*args, **kwargs)
+        return _run_engine(func, args, kwargs)
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     moved = [t for t in inputs if _at_local(t)]
     kwargs = dict(kwargs, inputs=[t._local if _at_local(t) else t for t in inputs])
     with _reading_non_leaf_grads():
         before = [t._local.grad for t in moved]
-    result = func(*args, **kwargs)
+    result = _run_engine(func, args, kwargs)
     with torch.no_grad(), _reading_non_leaf_grads():
         for t, old in zip(moved, before):
             g, t._local.grad = t._local.grad, old

@@ -46,16 +46,18 @@ class DTensor(torch.Tensor):
         if isinstance(local, DTensor):
             raise TypeError("DTensor.from_local takes a plain torch.Tensor, got a DTensor: use .redistribute()")
         layout = resolve_layout(layout, placements, local.ndim)
-        if shape is None:
+        given = shape is not None
+        if not given:
             shape = tuple(n * layout.shard_count(d) for d, n in enumerate(local.shape))
-        else:
-            shape = tuple(shape)
+        shape = tuple(shape)
+        if run_check and layout.mesh.distributed:
+            _check_from_local(local, layout, shape, given)  # raises on every rank or none
+        elif given:
             expect = layout.local_shape(shape)
             if expect != tuple(local.shape):
                 raise ValueError(f"local shard of shape {tuple(local.shape)} does not match global shape {shape} "
-                                 f"under {layout} (expected {expect} on this rank)")
-        if run_check and layout.mesh.distributed:
-            _check_replicas(local, layout)
+                                 f"under {layout} (expected {expect} on this rank; run_check=True checks "
+                                 f"every rank and raises on all of them)")
         if torch.is_grad_enabled() and local.requires_grad:
             return Wrap.apply(local, layout, shape)
         return make_dtensor(local, layout, shape)
@@ -186,18 +188,44 @@ def resolve_layout(layout, placements, ndim: int) -> Layout:
     raise TypeError(f"expected a Layout or a DeviceMesh, got {type(layout).__name__}")
 
 
-def _check_replicas(local: torch.Tensor, layout: Layout) -> None:
-    for a in range(layout.mesh.ndim):
-        if layout.placements[a].is_replicate() and layout.mesh.shape[a] > 1:
+def _check_from_local(local: torch.Tensor, layout: Layout, shape: tuple, given: bool) -> None:
+    """from_local(run_check=True): the ranks exchange their local shapes, dtypes and the global shape each
+    one infers, then compare replicated values; every check ends in a verdict all ranks share, so a
+    mismatch raises the same ValueError on every rank (an error on some ranks only would hang the others)."""
+    from ..redistribute.collectives import broadcast, gather_objects
+    mesh = layout.mesh
+    seen = gather_objects(mesh, (tuple(local.shape), str(local.dtype), shape))
+    bad = [(c, s, d, g) for c, (s, d, g) in seen if g != shape or d != str(local.dtype)
+           or tuple(s) != layout.local_shape(g, c)]
+    if bad or any(g != seen[0][1][2] for _, (_, _, g) in seen):
+        ranks = ", ".join(f"rank at {c}: local {s} {d} -> global {g}" for c, (s, d, g) in seen)
+        how = "" if given else " (no shape= given: each rank inferred the global shape from its own shard)"
+        raise ValueError(f"from_local(run_check=True) under {layout}: the ranks' local shapes and dtypes do not "
+                         f"make one global tensor{how}: {ranks}. Pass shape= (the global shape) and shards that "
+                         f"match it (layout.local_shape(shape) on each rank).")
+    differ = []
+    for a in range(mesh.ndim):
+        if layout.placements[a].is_replicate() and mesh.shape[a] > 1:
+            group = mesh.get_group(a)
             ref = local.detach().clone()
-            dist.broadcast(ref, dist.get_global_rank(layout.mesh.get_group(a), 0), group=layout.mesh.get_group(a))
+            ref = broadcast(ref, dist.get_global_rank(group, 0), group=group)
             if not torch.equal(ref, local.detach()):
-                raise ValueError(f"from_local(run_check=True): ranks along replicated axis "
-                                 f"{layout.mesh.mesh_dim_names[a]!r} hold different values")
+                differ.append(mesh.mesh_dim_names[a])
+    verdicts = gather_objects(mesh, differ)
+    wrong = sorted({(c, a) for c, axes in verdicts for a in axes})
+    if wrong:
+        where = ", ".join(f"rank at {c} on axis {a!r}" for c, a in wrong)
+        raise ValueError(f"from_local(run_check=True) under {layout}: ranks along a replicated axis hold "
+                         f"different values ({where} differ from the axis' first rank). Replicated shards must "
+                         f"be equal: broadcast them or declare the axis Partial or Shard.")
 
 
 def distribute_tensor(tensor: torch.Tensor, layout, placements=None, *, src_data_rank: int | None = 0) -> DTensor:
     """Shard a full tensor. With `src_data_rank`, that rank's copy is broadcast first (as torch does)."""
+    if isinstance(tensor, DTensor):  # the same on every rank: raised everywhere or nowhere
+        raise TypeError(f"distribute_tensor takes a plain tensor holding the full value, got a DTensor laid out as "
+                        f"{tensor.dist_layout}: use its .redistribute(layout) to change its layout (or "
+                        f".full_tensor() to get the plain value)")
     target = resolve_layout(layout, placements, tensor.ndim)
     shape = tuple(tensor.shape)
     full = tensor.detach()

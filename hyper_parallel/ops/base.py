@@ -15,6 +15,11 @@ class Rule:
 
     float_args_matter = False   # do float arguments change the decision (e.g. interpolate's scale)?
     replicated_local = True     # all inputs replicated -> run locally, outputs replicated
+    # Tensor inputs (by position among the call's tensors) that only lend their shape or dtype: `view_as`,
+    # `expand_as`, `type_as`, `to(other)`. The dispatcher leaves them where they are (no communication) and
+    # keeps their splits out of the gradient duality: a donor split over an axis does not split the
+    # computation, so it must not turn a replicated input's gradient into a pending sum. YAML: shape_only: [1].
+    shape_only: tuple = ()
 
     def __init__(self, name: str, **options):
         self.name = name

@@ -56,9 +56,74 @@ class Elementwise(SignatureRule):
         return sigs
 
 
+_METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
+                  "long": torch.int64, "int": torch.int32, "short": torch.int16, "char": torch.int8,
+                  "byte": torch.uint8, "bool": torch.bool}
+
+
+class Cast(Elementwise):
+    """Dtype casts (`.to`, `.float()`, `.long()`, `type_as`, ...): pointwise, so splits pass through. A
+    pending reduction passes only where casting each rank's term gives the cast of the reduced value:
+
+    - sum / avg: the cast is linear only into a dtype that holds every term and their sum at least as
+      exactly as the source (same dtype, or a float at least as wide in mantissa and range). Into int
+      (truncation), bool (any nonzero term), a narrower float (rounding per term) the sum is reduced first.
+    - max / min: a monotone cast commutes with them: into any float dtype from float, int or bool (rounding
+      is monotone), or into an integer dtype wide enough for the source integers. Not into bool
+      (-1 and 1 both become True) nor float -> int (out-of-range values are undefined).
+    """
+
+    def target_dtype(self, call):
+        x = call.inputs[0]
+        method = self.name.rsplit(".", 1)[-1]
+        if method in _METHOD_DTYPES:
+            return _METHOD_DTYPES[method]
+        if len(call.inputs) > 1:  # to(other) / type_as(other)
+            return call.inputs[1].dtype
+        for value in list(call.args[1:]) + list(call.kwargs.values()):
+            if isinstance(value, torch.dtype):
+                return value
+        return x.dtype  # to(device), to(memory_format=...), copy=True
+
+    def signatures(self, call):
+        sigs = [s for s in super().signatures(call) if not any(isinstance(p, Partial) for p in s.ins)]
+        src, dst = call.inputs[0].dtype, self.target_dtype(call)
+        for op in ("sum", "avg", "max", "min"):
+            if cast_commutes(op, src, dst):
+                p = Partial(op)
+                sigs.append(Signature([p], [p] + [None] * (len(call.inputs) - 1)))
+        return sigs
+
+
+def _int_range(dtype) -> tuple:
+    if dtype == torch.bool:
+        return (0, 1)
+    info = torch.iinfo(dtype)
+    return (info.min, info.max)
+
+
+def cast_commutes(op: str, src: torch.dtype, dst: torch.dtype) -> bool:
+    """Does casting each rank's term and then reducing with `op` give the cast of the reduced value?"""
+    if src == dst:
+        return True
+    if src.is_complex or dst.is_complex:
+        return False
+    if op in ("sum", "avg"):
+        if not (src.is_floating_point and dst.is_floating_point):
+            return False
+        s, d = torch.finfo(src), torch.finfo(dst)
+        return d.eps <= s.eps and d.max >= s.max
+    if dst.is_floating_point:
+        return True
+    if dst == torch.bool or src.is_floating_point:
+        return False
+    (slo, shi), (dlo, dhi) = _int_range(src), _int_range(dst)
+    return dlo <= slo and dhi >= shi
+
+
 def _has_number(call) -> bool:
     values = list(call.args[1:]) + [v for k, v in call.kwargs.items() if k not in ("alpha", "out")]
     return any(isinstance(v, numbers.Number) and not isinstance(v, bool) for v in values)
 
 
-__all__ = ["Elementwise", "Replicate"]
+__all__ = ["Elementwise", "Cast", "cast_commutes", "Replicate"]

@@ -137,8 +137,8 @@ class GetItem(Rule):
 class SetItem(Rule):
     """x[index] = value, in place: x keeps its layout; the value is laid out like x's selected piece.
 
-    A split dim indexed by an int or a step-1 slice is translated to this rank's piece (ranks outside the
-    range write nothing); a pending sum in x receives the value on one rank only.
+    A split dim indexed by an int or a slice (any step, negative bounds) is translated to this rank's
+    piece (ranks outside the range write nothing); a pending sum in x receives the value on one rank only.
     """
 
     def strategy(self, call: OpCall) -> Strategy:
@@ -167,14 +167,14 @@ class SetItem(Rule):
                 vd = plan.keep[d] - (r_nd - v_nd)
                 if v_spec is not None and vd >= 0 and v_spec.shape[vd] == x.shape[d]:
                     v_map[vd].append(a)
-            elif item[0] == "int" or (item[0] == "slice" and item[2].step in (None, 1)):
+            elif item[0] in ("int", "slice"):
                 if plan.has_adv:
                     self.fail(call, f"dim {d} is split and indexed together with tensor indices")
                 off = lay.local_offset(x.shape)[d]
                 translate[d] = (off, lay.local_shape(x.shape)[d])
             else:
                 self.fail(call, f"dim {d} is split over mesh axis {mesh.mesh_dim_names[a]!r} and indexed by "
-                                f"{'a tensor' if item[0] == 'adv' else 'a stepped slice'}; gather it first")
+                                f"a tensor; gather it first")
         ins = [lay] + [s.layout.replicated() for s in call.inputs[1:len(call.inputs) - (v_spec is not None)]]
         if v_spec is not None:
             order = {a: i for axes in lay.tensor_map for i, a in enumerate(axes)}
@@ -208,13 +208,34 @@ def _masked_write(call: OpCall) -> Strategy | None:
 
     def write(x_local, index, value):
         full = index[0] if isinstance(index, tuple) else index
+        if isinstance(value, torch.Tensor) and value.ndim == row_nd and value.shape[0] not in (1, int(full.sum())):
+            # decided from the replicated mask and rows, so every rank raises (torch's own error is per rank)
+            raise RuntimeError(f"x[mask] = rows: the mask selects {int(full.sum())} rows but {value.shape[0]} "
+                               f"were given")
         order = (full.flatten().cumsum(0) - 1).reshape(full.shape)
         mine = full[piece]
-        rows = value[order[piece][mine]] if isinstance(value, torch.Tensor) and value.ndim == row_nd else value
+        many = isinstance(value, torch.Tensor) and value.ndim == row_nd and value.shape[0] != 1  # 1 row broadcasts
+        rows = value[order[piece][mine]] if many else value
         x_local[mine] = rows
 
     ins = [lay] + [s.layout.replicated() for s in call.inputs[1:]]
     return Strategy(ins, [lay], write)
+
+
+def _slice_piece(positions: range, offset: int, length: int) -> tuple[int, int, slice]:
+    """The part of a slice's global `positions` that falls in the piece [offset, offset + length):
+    (index of its first position among `positions`, how many, the local slice that writes them).
+    Any step and any empty overlap give in-range numbers, so every rank computes without raising."""
+    step = positions.step
+    if not len(positions):
+        return 0, 0, slice(0, 0)
+    start = positions.start
+    first = max(0, -(-(offset - start) // step))               # first k with start + k*step >= offset
+    stop = min(len(positions), -(-(offset + length - start) // step))  # first k past the piece
+    if stop <= first:
+        return 0, 0, slice(0, 0)
+    lo = start + first * step - offset
+    return first, stop - first, slice(lo, lo + (stop - first - 1) * step + 1, step)
 
 
 def _local_setitem(plan: IndexPlan, translate: dict, shape: tuple, r_nd: int, v_nd: int, zero_scalar: bool):
@@ -231,12 +252,9 @@ def _local_setitem(plan: IndexPlan, translate: dict, shape: tuple, r_nd: int, v_
         elif kind == "slice":
             d, sl = it[1], it[2]
             if d in translate:
-                off, n = translate[d]
-                r = range(shape[d])[sl]
-                lo, hi = max(r.start, off), min(r.stop, off + n)
-                hi = max(hi, lo)
-                index.append(slice(lo - off, hi - off))
-                steps.append(("narrow", p, lo - r.start if len(r) else 0, hi - lo))
+                first, count, local = _slice_piece(range(shape[d])[sl], *translate[d])
+                index.append(local)
+                steps.append(("narrow", p, first, count))
             else:
                 index.append(sl)
             p += 1

@@ -1,4 +1,9 @@
-"""Collectives on local tensors over one mesh axis, built on torch.distributed, with accounting."""
+"""Collectives on local tensors over one mesh axis, built on torch.distributed, with accounting.
+
+Every collective goes through `_issue`: in check mode (`set_check`, HYPER_PARALLEL_CHECK=1) the ranks of
+the group first compare fingerprints of what they are about to run (see check.py), and a collective that
+fails (a timeout: HYPER_PARALLEL_COMM_TIMEOUT) is re-raised naming the op, the layouts and the mesh axis.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -6,6 +11,8 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+
+from . import check as _check
 
 _COUNTERS: list = []
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -40,10 +47,33 @@ def _record(kind: str, tensor: torch.Tensor) -> None:
             c.bytes[kind] += nbytes
 
 
+def _issue(kind: str, detail, over, collective, *args, **kwargs):
+    """Run one torch.distributed collective: fingerprints compared first in check mode; a failure (timeout,
+    a peer gone) re-raised with what this rank was running."""
+    if _check.CHECK[0]:
+        _check.compare(kind, detail, over)
+    try:
+        return collective(*args, **kwargs)
+    except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
+        raise _check.CollectiveError(_check.failure_message(kind, detail, over, e)) from e
+
+
+def gather_objects(mesh, obj) -> list:
+    """Every rank's `obj` on every rank of `mesh`, as [(coordinate, obj)] in coordinate order: one object
+    all-gather per mesh axis, so a mesh over part of the world needs no group of its own."""
+    items = [(mesh.coordinate, obj)]
+    for axis, size in enumerate(mesh.shape):
+        if size > 1:
+            parts = [None] * size
+            dist.all_gather_object(parts, items, group=mesh.get_group(axis))
+            items = [item for part in parts for item in part]
+    return sorted(items, key=lambda item: item[0])
+
+
 def all_reduce(t: torch.Tensor, op: str, group, parts: int) -> torch.Tensor:
     out = t.contiguous().clone()
     _record("all_reduce", out)
-    dist.all_reduce(out, _OPS[op], group=group)
+    _issue("all_reduce", op, group, dist.all_reduce, out, _OPS[op], group=group)
     if op == "avg":
         out /= parts
     return out
@@ -60,7 +90,7 @@ def all_gather(t: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tens
     src = src.contiguous()
     out = src.new_empty((parts * top,) + tuple(src.shape[1:]))
     _record("all_gather", src)
-    dist.all_gather_single(out, src, group=group)
+    _issue("all_gather", dim, group, dist.all_gather_single, out, src, group=group)
     if any(s != top for s in sizes):
         out = torch.cat([c[:s] for c, s in zip(out.chunk(parts), sizes)])
     return out.movedim(0, dim).contiguous() if dim else out  # model code may .view() the result
@@ -75,7 +105,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, op: str, group, sizes: list[int], 
     src = (t.movedim(dim, 0) if dim else t).contiguous()
     out = src.new_empty((sizes[0],) + tuple(src.shape[1:]))
     _record("reduce_scatter", src)
-    dist.reduce_scatter_single(out, src, _OPS[op], group=group)
+    _issue("reduce_scatter", (dim, op), group, dist.reduce_scatter_single, out, src, _OPS[op], group=group)
     if op == "avg":
         out /= parts
     return out.movedim(0, dim) if dim else out
@@ -87,12 +117,76 @@ def all_to_all(t: torch.Tensor, gather_dim: int, scatter_dim: int, group, parts:
     src = torch.stack(chunks)
     out = torch.empty_like(src)
     _record("all_to_all", src)
-    dist.all_to_all_single(out, src, group=group)
+    _issue("all_to_all", (gather_dim, scatter_dim), group, dist.all_to_all_single, out, src, group=group)
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
 def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
     t = t.contiguous()
     _record("broadcast", t)
-    dist.broadcast(t, src_rank, group=group)
+    _issue("broadcast", src_rank, group, dist.broadcast, t, src_rank, group=group)
     return t
+
+
+def all_to_all_uneven(t: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows of `t` cut into `input_splits` pieces, piece i to rank i; the pieces received are `output_splits` long.
+
+    The expert-parallel token exchange (any split sizes, empty pieces included). Bytes counted are the
+    rows that leave this rank (its own piece stays local)."""
+    src = t.contiguous()
+    out = src.new_empty((sum(output_splits),) + tuple(src.shape[1:]))
+    if _COUNTERS:
+        row_bytes = src[:1].numel() * src.element_size()
+        leaving = sum(input_splits) - input_splits[dist.get_rank(group)]
+        for c in _COUNTERS:
+            c.counts["all_to_all"] += 1
+            c.bytes["all_to_all"] += leaving * row_bytes
+    detail = f"uneven rows of {tuple(src.shape[1:])} {src.dtype}"  # the splits differ by rank: not compared
+    _issue("all_to_all", detail, group, dist.all_to_all_single, out, src, output_split_sizes=list(output_splits),
+           input_split_sizes=list(input_splits), group=group)
+    return out
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    """Backward of an uneven all_to_all is the reverse all_to_all, with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, t, output_splits, input_splits, group):
+        ctx.splits = (output_splits, input_splits, group)
+        return all_to_all_uneven(t, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits, group = ctx.splits
+        return all_to_all_uneven(grad, input_splits, output_splits, group), None, None, None
+
+
+def all_to_all_uneven_autograd(t: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                               group) -> torch.Tensor:
+    """`all_to_all_uneven` that autograd differentiates (rows' gradients travel back to their senders)."""
+    return _AllToAllUneven.apply(t, list(output_splits), list(input_splits), group)
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> list:
+    """Point-to-point: post every send and receive at once (`batch_isend_irecv`), peers given as ranks of
+    `group`; returns the requests, to `wait()` on once the overlapping compute is done."""
+    ops = []
+    for t, peer in sends:
+        _record("send", t)
+        ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    # every rank of the group comes here (some with nothing to move), so check mode compares them all
+    return _issue("exchange", "point-to-point", group, _batch_p2p, ops)
+
+
+def _batch_p2p(ops: list) -> list:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def ring_step(t: torch.Tensor, group, index: int, parts: int) -> tuple[torch.Tensor, list]:
+    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer.
+
+    Returns (buffer, requests): the buffer holds the previous rank's tensor once the requests are waited on."""
+    t = t.contiguous()
+    buffer = torch.empty_like(t)
+    return buffer, exchange([(t, (index + 1) % parts)], [(buffer, (index - 1) % parts)], group)

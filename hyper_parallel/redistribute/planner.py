@@ -11,6 +11,7 @@ import torch
 
 from ..layout.chunks import chunk_sizes
 from ..layout.layout import Layout
+from . import check as _check
 from . import collectives as C
 
 _PLANS: dict = {}
@@ -140,3 +141,7 @@ def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, shape: tup
         elif kind == "zero":
             local = torch.zeros_like(local)
     return local
+
+
+_check.describe_frames(redistribute_local.__code__,
+                       lambda f: f"redistribution {f['src']} -> {f['dst']} of global shape {tuple(f['shape'])}")

@@ -16,7 +16,7 @@ Per level (`buffer` is the unsharded parameter):
   module's forward and backward and resized to zero after (as FSDP2 does). Autograd saved the very
   tensors that alias `buffer`, so refilling the storage is seen by backward; the version counter is
   preserved across the refill so autograd does not mistake it for an in-place edit.
-Parameters below the size threshold (and 0-d ones) are not sharded: `sparam` is replicated on dp and
+Parameters below the size threshold (and 0-d or one-row ones) are not sharded: `sparam` is replicated on dp and
 shares memory with `compute`; their gradients are all-reduced.
 """
 from __future__ import annotations
@@ -47,7 +47,9 @@ class HsdpParam:
         self.dtype = local.dtype
         self.level = level
         nbytes = local.numel() * local.element_size()
-        self.sharded = local.ndim > 0 and local.numel() > 0 and nbytes >= threshold_bytes and topo.shard_size > 1
+        # one row cannot be split (its dim is a broadcast dim to the elementwise rules an optimizer step uses)
+        self.sharded = (local.ndim > 0 and local.shape[0] > 1 and local.numel() > 0 and nbytes >= threshold_bytes
+                        and topo.shard_size > 1)
         S = topo.shard_size if self.sharded else 1
         self.parts = S
         rows = self.local_shape[0] if local.ndim else 1
@@ -74,9 +76,9 @@ class HsdpParam:
             self.full = self.buffer.view(self.local_shape)
             shard = self.full
             self.gathered = True
-        self.sparam = nn.Parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
+        self.sparam = _parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
         c = make_dtensor(self.full, self.compute_layout, self.global_shape) if is_dt else self.full
-        self.compute = nn.Parameter(c, self.requires_grad)
+        self.compute = _parameter(c, self.requires_grad)
         self.version = self._shard_version()
         self.free()
 
@@ -167,10 +169,73 @@ class HsdpParam:
             with torch.no_grad():
                 g._local.add_(shard_grad)
 
+    # ---- memory for a model wrapped on the meta device ----------------------------------------
+    @torch.no_grad()
+    def allocate(self, device: torch.device) -> None:
+        """Real memory for a parameter that hsdp wrapped on the meta device: the shard (and, level1/2,
+        the full buffer), values unset: load them next. Both faces become new Parameter objects."""
+        self.buffer = torch.empty(self.buffer.numel(), dtype=self.dtype, device=device)
+        self.full = self.buffer[: self.rows * self.row].view(self.local_shape)
+        if self.sharded and self.level == 3:
+            shard = torch.empty((self.length,) + self.local_shape[1:], dtype=self.dtype, device=device)
+        else:
+            shard = self._buffer_rows() if self.sharded else self.full
+        self.sparam = _parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
+        c = make_dtensor(self.full, self.compute_layout, self.global_shape) if self.compute_layout else self.full
+        self.compute = _parameter(c, self.requires_grad)
+        self.install(self.sparam)
+        self.gathered = True
+        self.version = None  # loaded shards: the first forward gathers
+        self.free()
+
+    # ---- dtype / device conversion (Module.to, .float(), .half(), .cpu()) -----------------
+    @torch.no_grad()
+    def convert(self, fn) -> None:
+        """Apply a tensor conversion `fn` (as `Module._apply` gets it) to both faces, keeping the
+        Parameter objects (optimizer references, tied registrations, grad hooks) and the sharding."""
+        if self.level == 3 and self.sharded:
+            if self.gathered:
+                self.free()
+            shard = fn(self.sparam._local)
+            if shard is self.sparam._local:
+                return
+            self.buffer = torch.empty(self.buffer.numel(), dtype=shard.dtype, device=shard.device)
+            self.full = self.buffer[: self.rows * self.row].view(self.local_shape)
+        else:
+            if self.level != 3 and self.sharded:
+                self.gather_input()  # the optimizer or a load may have replaced the shard: rows are current
+            buffer = fn(self.buffer)
+            if buffer is self.buffer:
+                return
+            self.buffer = buffer.contiguous()
+            self.full = self.buffer[: self.rows * self.row].view(self.local_shape)
+            shard = self._buffer_rows() if self.sharded else self.full
+        self.dtype = shard.dtype
+        self.sparam.data = make_dtensor(shard, self.layout, self.global_shape)
+        c = make_dtensor(self.full, self.compute_layout, self.global_shape) if self.compute_layout else self.full
+        self.compute.data = c
+        if self.sparam.grad is not None:
+            g = self.sparam.grad
+            self.sparam.grad = make_dtensor(fn(g._local), g._layout, tuple(g.shape))
+        self.compute.grad = None  # unreduced micro-batch gradients do not survive a cast
+        self.gathered = not (self.level == 3 and self.sharded)
+        # other ranks' rows may predate their last optimizer step: the next forward gathers them again
+        self.version = None if self.sharded else self._shard_version()
+        if self.level == 3 and self.sharded:
+            self.buffer.untyped_storage().resize_(0)
+
     # ---- module registration ------------------------------------------------------------
     def install(self, which: nn.Parameter) -> None:
         for module, name in self.registrations:
             module._parameters[name] = which
+
+
+def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """An nn.Parameter around exactly `t`: its local tensor (a view of `buffer`) and its layout. Built below
+    the dispatcher (torch's own alias), which would otherwise plan a layout for the detach, and gathers a
+    shard that is empty on some rank (a parameter with fewer rows than shards)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return nn.Parameter(t, requires_grad)
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:

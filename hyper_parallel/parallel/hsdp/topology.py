@@ -50,16 +50,17 @@ class Topology:
 
 
 def _axis_group(mesh: DeviceMesh, axis: int):
-    """A fresh process group along `axis` containing this rank (every rank creates all of them, in order)."""
+    """A fresh process group along `axis` containing this rank.
+
+    Created with local synchronisation (only its members call new_group): `mesh` may be a sub-mesh whose
+    siblings on other ranks create their own groups at the same time (hsdp inside each pipeline stage),
+    which a world-wide new_group sequence would mismatch.
+    """
     if not mesh.distributed or mesh.shape[axis] == 1:
         return None
     rows = torch.tensor(mesh.ranks).reshape(mesh.shape).movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist()
-    mine = None
-    for row in rows:
-        group = dist.new_group(row, timeout=comm_timeout())
-        if dist.get_rank() in row:
-            mine = group
-    return mine
+    row = next(r for r in rows if dist.get_rank() in r)
+    return dist.new_group(row, timeout=comm_timeout(), use_local_synchronization=True)
 
 
 def _as_mesh(mesh) -> DeviceMesh:

@@ -10,9 +10,13 @@ Per unit and step:
    compute parameters into the module, and with `comm_async` start the next unit's gather;
 2. post-forward: swap the sharded parameters back (so `model.parameters()` is always the sharded
    view), free (level3, not the root) and hook the outputs so their gradient triggers the re-gather;
-3. backward: the outputs' hook gathers again (and prefetches the unit before it); each compute
-   parameter's post-accumulate-grad hook counts down, and when the unit's gradients are all there
-   they are reduced (or, during accumulation without sync, left to accumulate) and level3 frees;
+3. backward: the outputs' hook gathers again (and prefetches the unit before it) and swaps the compute
+   parameters in until the unit's gradients are all there, as FSDP2's pre-backward unshard does: activation
+   checkpointing recomputes the forward inside backward (transformers checkpoints `forward`, so the hooks
+   do not run again; `torch.utils.checkpoint` around a module call runs them again, and then they leave
+   the parameters swapped in); each compute parameter's post-accumulate-grad hook counts down, and when
+   the unit's gradients are all there they are reduced (or, during accumulation without sync, left to
+   accumulate), the sharded parameters are swapped back and level3 frees;
 4. end of backward (an autograd engine callback queued by the first hook of the pass): reduce
    units that did not complete (unused parameters contribute zeros, so every rank issues the same
    collectives), finish async reductions, free what is still gathered.
@@ -42,10 +46,15 @@ class Unit:
         self.seen = 0
         self.reduced = False
         self.inflight = None  # (works, finishes, buffers, versions) of an issued gather
-        for p in self.grad_params:
-            p.compute.register_post_accumulate_grad_hook(self._on_grad)
+        self.in_backward = False  # between its pre-backward hook and its gradients: compute params installed
+        self.hook_grads()
         self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True),
                         module.register_forward_hook(self._post_forward)]
+
+    def hook_grads(self) -> None:
+        """Count the gradients arriving at the compute parameters (again after they were replaced)."""
+        for p in self.grad_params:
+            p.compute.register_post_accumulate_grad_hook(self._on_grad)
 
     # ---- gathering ----------------------------------------------------------------------
     def start_gather(self) -> None:
@@ -87,15 +96,29 @@ class Unit:
         for p in self.params:
             p.free()
 
+    def install_compute(self) -> None:
+        """Register the unsharded compute parameters in the modules (for a forward, or a backward)."""
+        for p in self.params:
+            p.install(p.compute)
+
+    def install_sharded(self) -> None:
+        """Register the sharded parameters again: what `model.parameters()` shows outside forward/backward."""
+        self.in_backward = False
+        for p in self.params:
+            p.install(p.sparam)
+
     # ---- hooks --------------------------------------------------------------------------
     def _pre_forward(self, module, args):
         state = self.state
+        if torch._C._current_autograd_node() is not None:  # activation checkpointing recomputes it in backward
+            self.gather()
+            self.install_compute()
+            return None
         if self.is_root:
             state.begin_forward()
         state.order.append(self)
         self.gather()
-        for p in self.params:
-            p.install(p.compute)
+        self.install_compute()
         if state.comm_async:
             nxt = state.next_in_forward(self)
             if nxt is not None:
@@ -104,8 +127,9 @@ class Unit:
 
     def _post_forward(self, module, args, output):
         state = self.state
-        for p in self.params:
-            p.install(p.sparam)
+        if self.in_backward:
+            return output  # a recomputation inside this unit's backward: its parameters stay swapped in
+        self.install_sharded()
         grad = torch.is_grad_enabled()
         if state.level == 3 and (not self.is_root or not grad):
             self.free()
@@ -118,9 +142,15 @@ class Unit:
     def _pre_backward(self, grad):
         state = self.state
         state.backward_started()
+        # From here until its gradients are in, the unit's compute parameters are swapped in (as FSDP2's
+        # pre-backward unshard does): activation checkpointing recomputes the forward during backward, and
+        # must see the very parameters the first forward used, not the sharded ones.
         if state.level == 3:
             with torch.no_grad():
                 self.gather()
+        self.install_compute()
+        self.in_backward = True
+        if state.level == 3:
             if state.comm_async:
                 prev = state.prev_in_forward(self)
                 if prev is not None:
@@ -135,6 +165,7 @@ class Unit:
     def finish_backward(self) -> None:
         """All gradients of this unit are in: reduce them (when syncing) and free the parameters."""
         state = self.state
+        self.install_sharded()
         if state.level == 3 and not self.has_frozen:
             self.free()  # every use of the parameters in backward is done once all their gradients are
         if state.sync and not self.reduced and self.grad_params:
@@ -209,6 +240,11 @@ class HsdpState:
 
     # ---- forward order (prefetch targets) -------------------------------------------------
     def begin_forward(self) -> None:
+        if self._callback_queued:  # the last backward stopped before its end (an exception): start afresh
+            self._callback_queued = False
+            for u in self.units:
+                u.seen, u.reduced = 0, False
+                u.install_sharded()
         if self.order:
             self.last_order = self.order
         self.order = []
@@ -253,5 +289,6 @@ class HsdpState:
         for u in self.units:
             u.seen = 0
             u.reduced = False
+            u.install_sharded()
             if self.level == 3:
                 u.free()

@@ -1,0 +1,345 @@
+"""`pipeline(model, mesh, axis="pp", ...)`: pipeline parallelism on torch.distributed.pipelining's schedules.
+
+    mesh = init_device_mesh("cpu", (2, 2), ("pp", "dp"))
+    pipe = pipeline(model, mesh, schedule="1f1b", n_microbatches=4, hsdp={})
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    loss = pipe.step(input_ids, labels=labels)     # same global batch on every rank; loss on every rank
+    opt.step(); opt.zero_grad()
+
+What happens (top to bottom in `pipeline`): the model is cut into pp * stages_per_rank stages along its
+decoder layer list (cut.py); each rank keeps the stages the schedule gives it and drops every other
+module; each stage is parallelised over the mesh's other axes (`shard` on "tp", `hsdp` on "dp"); torch's
+PipelineStage objects run the stages over the pp axis's process group, driven by the chosen torch schedule.
+The loss function sums token cross-entropies and divides by the global count of valid tokens, so the
+loss and the gradients equal one device's `model(input_ids, labels=labels).loss` on the whole batch,
+whatever the micro-batching or the padding (-100 labels).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from ...layout.mesh import DeviceMesh
+from .._applied import record_applied
+from ..shard import init_parameters
+from . import cut
+from .state import stage_owner_meshes, whole_state_dict
+
+# name -> (torch schedule class, placement of stages on ranks: "loop" (stage s on rank s % pp) or "v")
+SCHEDULES: dict[str, tuple[str, str]] = {
+    "gpipe": ("ScheduleGPipe", "loop"),
+    "1f1b": ("Schedule1F1B", "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+}
+_SINGLE_STAGE = {"gpipe", "1f1b"}
+IGNORE_INDEX = -100
+
+
+def stage_rank(stage: int, pp: int, style: str) -> int:
+    """pp coordinate that runs global stage `stage`."""
+    if style == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: str = "1f1b",
+             n_microbatches: int = 4, stages_per_rank: int = 1, split_points=None,
+             **parallelize_kwargs: Any) -> "Pipeline":
+    """Cut `model` into pipeline stages over `mesh`'s `axis` and return the `Pipeline` that trains it.
+
+    schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb" (stages_per_rank >= 1)
+    or "zbv" (stages_per_rank == 2). split_points: the first layer of stages 1.. (indices or names like
+    "model.layers.4"); by default stages are balanced by parameter count. parallelize_kwargs: `tp=`
+    (a `shard` plan, "auto" for the model's own) on a "tp" axis, `hsdp=` (a dict of `hsdp` arguments)
+    on a "dp" axis, applied to every stage. The model is pruned in place: afterwards it holds only
+    this rank's stages.
+    """
+    recipe = cut.recipe_for(model)
+    pp = mesh.size(axis)
+    _check_arguments(model, schedule, n_microbatches, stages_per_rank, pp)
+    style = SCHEDULES[schedule][1]
+    n_stages = pp * stages_per_rank
+
+    layer_weights, first_weight, last_weight = cut.part_weights(model, recipe)
+    if split_points is None:
+        ranges = cut.balance(layer_weights, n_stages, first_weight, last_weight)
+    else:
+        ranges = cut.stages_from_split_points(split_points, len(layer_weights), n_stages,
+                                              f"{recipe.base}.{recipe.layers}")
+    specs = [cut.StageSpec(s, n_stages, ranges[s]) for s in range(n_stages)]
+    owner = [stage_rank(s, pp, style) for s in range(n_stages)]
+    me = mesh.get_local_rank(axis)
+    mine = [spec for spec in specs if owner[spec.index] == me]
+
+    whole_meta = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
+    key_owner = _key_owners(whole_meta, specs, owner, recipe)
+    _check_parallelize_kwargs(mesh, parallelize_kwargs)
+
+    cut.prune(model, recipe, {i for spec in mine for i in spec.layers},
+              any(s.first for s in mine), any(s.last for s in mine))
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        init_parameters(model)   # a meta build: materialise only this rank's stages
+    views = [cut.stage_view(model, recipe, spec) for spec in mine]
+    _parallelize_stages(model, views, mesh, axis, parallelize_kwargs)
+
+    pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, recipe, key_owner, whole_meta)
+    layout = ", ".join(f"stage {s.index}: layers {s.layers.start}-{s.layers.stop - 1} on {axis}={owner[s.index]}"
+                       for s in specs)
+    record_applied(model, f"pp: {n_stages} stages over {axis!r} ({schedule}, {n_microbatches} micro-batches; "
+                          f"{layout})")
+    return pipe
+
+
+def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stages_per_rank: int, pp: int) -> None:
+    """Everything decided from arguments alone, so that an error is raised on every rank."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; use one of {sorted(SCHEDULES)}")
+    if stages_per_rank < 1 or n_microbatches < 1:
+        raise ValueError(f"pipeline: stages_per_rank ({stages_per_rank}) and n_microbatches ({n_microbatches}) "
+                         f"must be positive")
+    if pp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("pipeline: the pp axis has size 1, so there is nothing to pipeline; parallelise the "
+                         "model over the other axes with shard/hsdp directly, or give the pp axis more ranks")
+    if schedule in _SINGLE_STAGE and stages_per_rank != 1:
+        raise ValueError(f"pipeline: schedule {schedule!r} runs one stage per rank; use 'interleaved_1f1b' "
+                         f"(or 'interleaved_zb', 'zbv') for stages_per_rank={stages_per_rank}")
+    if schedule == "zbv" and stages_per_rank != 2:
+        raise ValueError("pipeline: schedule 'zbv' runs exactly two stages per rank (a V): stages_per_rank=2")
+    if getattr(model.config, "tie_word_embeddings", False) and pp * stages_per_rank > 1:
+        raise ValueError(f"pipeline: {type(model).__name__} ties its input embeddings to its head "
+                         f"(config.tie_word_embeddings=True) but they sit on different stages; untie them "
+                         f"(model.lm_head.weight = nn.Parameter(model.lm_head.weight.clone()) and "
+                         f"config.tie_word_embeddings=False) before pipeline()")
+
+
+def _check_parallelize_kwargs(mesh: DeviceMesh, kwargs: dict) -> None:
+    unknown = set(kwargs) - {"tp", "hsdp"}
+    if unknown:
+        raise ValueError(f"pipeline: unknown arguments {sorted(unknown)}; parallelize_kwargs takes tp= and hsdp=")
+    names = mesh.mesh_dim_names
+    if kwargs.get("tp") is not None and "tp" not in names:
+        raise ValueError(f"pipeline: tp={kwargs['tp']!r} needs a 'tp' axis; the mesh has {names}")
+    if kwargs.get("hsdp") is not None and "dp" not in names:
+        raise ValueError(f"pipeline: hsdp={kwargs['hsdp']!r} needs a 'dp' axis; the mesh has {names}")
+
+
+def _parallelize_stages(model: nn.Module, views: list, mesh: DeviceMesh, axis: str, kwargs: dict) -> None:
+    """`shard` on "tp" and `hsdp` on "dp" for every stage, over the mesh's axes other than `axis`."""
+    tp, dp_args = kwargs.get("tp"), kwargs.get("hsdp")
+    names = mesh.mesh_dim_names
+    if tp is not None:
+        from ..shard import shard
+        shard(model, tp, mesh["tp"])
+    if dp_args is not None:
+        from ..hsdp import hsdp
+        dp_mesh = mesh[tuple(n for n in names if n != axis)]
+        for view in views:
+            hsdp(view, **{"mesh": dp_mesh, **dict(dp_args)})
+
+
+def _key_owners(whole_meta: dict, specs: list, owner: list, recipe: cut.Recipe) -> dict:
+    """state_dict key -> pp coordinate of the rank that holds it."""
+    prefix = f"{recipe.base}.{recipe.layers}."
+    first_keys = (f"{recipe.base}.{recipe.embed}.",)
+    last_keys = (f"{recipe.base}.{recipe.norm}.", f"{recipe.head}.")
+    layer_owner = {i: owner[s.index] for s in specs for i in s.layers}
+    out = {}
+    for key in whole_meta:
+        if key.startswith(prefix):
+            out[key] = layer_owner[int(key[len(prefix):].split(".", 1)[0])]
+        elif key.startswith(first_keys):
+            out[key] = owner[0]
+        elif key.startswith(last_keys):
+            out[key] = owner[-1]
+        else:
+            raise ValueError(f"pipeline: state_dict key {key!r} belongs to no stage (the cutter knows the "
+                             f"embeddings, the layers, the norm and the head)")
+    return out
+
+
+class Pipeline:
+    """This rank's stages of a pipelined model and the torch schedule that runs them."""
+
+    def __init__(self, model: nn.Module, views: list, specs: list, mesh: DeviceMesh, axis: str, schedule: str,
+                 n_microbatches: int, recipe: cut.Recipe, key_owner: dict, whole_meta: dict):
+        self.model = model                  # pruned: holds this rank's stages, under the original names
+        self.stages = views                 # one module per local stage (cut.stage_view)
+        self.specs = specs
+        self.mesh, self.axis, self.schedule_name = mesh, axis, schedule
+        self.n_microbatches = n_microbatches
+        self.recipe = recipe
+        self.pp = mesh.size(axis)
+        self.group = mesh.get_group(axis)
+        self.dp = mesh.size("dp") if "dp" in mesh.mesh_dim_names else 1
+        self.dp_group = mesh.get_group("dp") if self.dp > 1 else None
+        self.dp_rank = mesh.get_local_rank("dp") if self.dp > 1 else 0
+        self.device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device(mesh.device_type)
+        n_stages = specs[0].n_stages
+        self.last_owner = stage_rank(n_stages - 1, self.pp, SCHEDULES[schedule][1])
+        self._schedules: dict = {}
+        self._key_owner = key_owner          # state_dict key -> pp coordinate holding it
+        self._whole_meta = whole_meta        # state_dict key -> (shape, dtype) of the whole model
+        self._owner_meshes = stage_owner_meshes(mesh, mesh.axis_index(axis))
+        self._valid_tokens = 1
+        self._loss_scale = 1.0
+
+    # ---- the parameters, as the optimizer and the checkpoint see them --------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.model.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the original model names (`model.layers.3.mlp.up_proj.weight`)."""
+        return self.model.named_parameters()
+
+    def state_dict(self) -> dict:
+        """Every key of the whole model; this rank's tensors for its stages, placeholders for the others.
+
+        Tensors are DTensors whose mesh holds exactly the ranks that own them, so `checkpoint.save`
+        writes the whole model across the pp ranks and `checkpoint.load` fills only this rank's part.
+        """
+        return whole_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load a whole-model state dict (plain tensors): each rank takes its stages' entries."""
+        own = self.model.state_dict()
+        picked = {k: v for k, v in state_dict.items() if k in own}
+        missing = set(own) - set(picked)
+        if strict and missing:
+            raise KeyError(f"Pipeline.load_state_dict: missing {sorted(missing)[:5]}")
+        return self.model.load_state_dict(picked, strict=strict)
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
+
+    # ---- running --------------------------------------------------------------------------------------
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        """Forward and backward over the micro-batches; the loss (one-device value) on every rank.
+
+        Every rank passes the same global batch; each dp replica runs its share. Gradients accumulate
+        into the parameters' `.grad` (call the optimizer's zero_grad between steps, as usual).
+        """
+        if labels is None:
+            raise ValueError("Pipeline.step needs labels= (the loss is computed on the last stage)")
+        shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        self._valid_tokens = max(int((shift != IGNORE_INDEX).sum()), 1)
+        # hsdp averages gradients over the dp replicas: scale each replica's share back up to a sum
+        self._loss_scale = float(self.dp)
+        ids, labels, inputs = self._dp_share(input_ids, labels, inputs)
+        schedule = self._schedule(tuple(ids.shape), train=True)
+        losses: list = []
+        args = (ids,) if self._has_first() else ()
+        schedule.step(*args, target=labels, losses=losses, return_outputs=False, **inputs)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses:
+            total = torch.stack([loss.detach().float() for loss in losses]).sum() / self._loss_scale
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return self._from_last(total)
+
+    @torch.no_grad()
+    def eval_forward(self, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """Logits of the whole batch, on every rank (forward only, through the same stages)."""
+        ids, _, inputs = self._dp_share(input_ids, None, inputs)
+        schedule = self._schedule(tuple(ids.shape), train=False)
+        args = (ids,) if self._has_first() else ()
+        out = schedule.step(*args, **inputs)
+        vocab = self.model.config.vocab_size
+        logits = out if out is not None else torch.zeros(*ids.shape, vocab, device=self.device)
+        logits = self._from_last(logits.float().contiguous())
+        if self.dp_group is not None:
+            parts = [torch.empty_like(logits) for _ in range(self.dp)]
+            dist.all_gather(parts, logits, group=self.dp_group)
+            logits = torch.cat(parts)
+        return logits
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+    def _has_first(self) -> bool:
+        return any(s.first for s in self.specs)
+
+    def _dp_share(self, input_ids: torch.Tensor, labels, inputs: dict):
+        batch = input_ids.shape[0]
+        if batch % (self.dp * self.n_microbatches):
+            raise ValueError(f"Pipeline: batch {batch} must divide into dp={self.dp} replicas x "
+                             f"n_microbatches={self.n_microbatches} equal micro-batches")
+        for name, value in inputs.items():
+            if not isinstance(value, torch.Tensor) or value.shape[:1] != (batch,):
+                raise ValueError(f"Pipeline: input {name!r} must be a tensor with the batch ({batch}) first; "
+                                 f"got {type(value).__name__} {getattr(value, 'shape', '')}")
+        share = batch // self.dp
+        cut_ = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        return (input_ids[cut_], None if labels is None else labels[cut_],
+                {k: v[cut_] for k, v in inputs.items()})
+
+    def _from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """Broadcast a tensor from the pp rank holding the last stage to every pp rank."""
+        if self.group is not None:
+            dist.broadcast(t, group=self.group, group_src=self.last_owner)
+        return t
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy over the global count of valid tokens (transformers' shift)."""
+        shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return total * (self._loss_scale / self._valid_tokens)
+
+    def _schedule(self, batch_shape: tuple, train: bool):
+        """The torch schedule for this micro-batch shape (stages infer their P2P shapes on first use).
+
+        Training runs the chosen schedule. Evaluation runs torch's schedule runtime on a forward-only
+        order (each rank: its stages in order, every micro-batch), which every stage placement (loop or
+        V) admits; the training schedules' own orders contain backward actions that a run without a
+        loss function cannot execute (ZBV's local V turn, for one).
+        """
+        key = (batch_shape, train)
+        if key not in self._schedules:
+            stages = [PipelineStage(view, spec.index, spec.n_stages, self.device, group=self.group)
+                      for view, spec in zip(self.stages, self.specs)]
+            if train:
+                cls = getattr(torch_schedules, SCHEDULES[self.schedule_name][0])
+                schedule = cls(stages[0] if self.schedule_name in _SINGLE_STAGE else stages, self.n_microbatches,
+                               loss_fn=self._loss, scale_grads=False)
+            else:
+                schedule = _forward_only(stages, self.n_microbatches, self.pp, SCHEDULES[self.schedule_name][1])
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def __repr__(self) -> str:
+        stages = ", ".join(f"{s.index} (layers {s.layers.start}-{s.layers.stop - 1})" for s in self.specs)
+        return f"Pipeline({self.schedule_name}, {self.n_microbatches} micro-batches, stages {stages})"
+
+
+def _forward_only(stages: list, n_microbatches: int, pp: int, style: str):
+    """torch's schedule runtime on a forward-only order: rank r runs its stages in order, all micro-batches.
+
+    Lowered to send/recv actions by torch's own `_add_send_recv`; `_prepare_schedule_with_comms` is not
+    used because its validation insists on a backward for every micro-batch.
+    """
+    schedule = torch_schedules._PipelineScheduleRuntime(stages=stages, n_microbatches=n_microbatches, loss_fn=None)
+    n_stages = stages[0].num_stages
+    owner = {s: stage_rank(s, pp, style) for s in range(n_stages)}
+    order = {r: [torch_schedules._Action(s, torch_schedules._ComputationType.FORWARD, mb)
+                 for s in range(n_stages) if owner[s] == r for mb in range(n_microbatches)]
+             for r in range(pp)}
+    schedule.stage_index_to_group_rank = owner
+    for stage in stages:
+        stage.stage_index_to_group_rank = owner
+    schedule.pipeline_order_with_comms = torch_schedules._add_send_recv(
+        order, stage_to_rank=owner.__getitem__, num_stages=n_stages)
+    return schedule

@@ -1,0 +1,320 @@
+"""Random op chains on random layouts vs plain torch: the interpreter behind test_property_chains.py and
+scripts/property_long.sh.
+
+A case is plain data (drawn by hypothesis in the test process, sent to every rank): a mesh, an input
+shape, a layout (Shard entries over mesh axes, uneven and empty shards included, Replicate, Partial
+sum/avg/max, or a plain tensor), a chain of (op, parameter) steps and whether to run backward. Every rank
+runs the chain on plain tensors and on DTensors and compares values and the gradients of every leaf that
+is not Partial. An error raised by the DTensor run is "loud" (acceptable if every rank raised it); a value
+or gradient that differs is "wrong".
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+import hyper_parallel as hp
+from hyper_parallel import DTensor
+
+MESHES = {"2": ((2,), ("a",)), "4": ((4,), ("a",)), "2x2": ((2, 2), ("a", "b"))}
+CASTS = ("half_float", "bf16_float", "double_float", "long_float", "int_float", "bool_float")
+OPS = ("add_aux", "mul_scalar", "tanh", "exp", "relu", "neg", "matmul", "reshape_merge", "flatten", "expand_as",
+       "view_as", "reshape_as", "sum_dim", "mean_dim", "sum_all", "mean_all", "softmax", "half_float",
+       "bf16_float", "double_float", "long_float", "int_float", "bool_float", "transpose", "slice0", "select0",
+       "setitem", "unsqueeze", "sub_aux", "amax_dim", "cat_aux", "where_aux", "max_values", "cumsum",
+       "layer_norm", "clamp", "pow2", "argmax_float", "masked_fill", "rms_norm", "gather", "index_select",
+       "div_aux", "getitem_list")
+REDUCED = ("sum", "avg", "max")
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+def layout_for(mesh: hp.Layout, ndim: int, code: int, allow_partial: bool = True):
+    """A deterministic layout for a rank-`ndim` tensor from an integer: each mesh axis shards some dim,
+    stays replicated, or (once) holds a pending reduction. Returns (entries, partial axis, reduce op)."""
+    names = mesh.alias_name
+    entries = [[] for _ in range(ndim)]
+    partial = None
+    op = "sum"
+    for k, name in enumerate(names):
+        choice = (code >> (4 * k)) % 6
+        if ndim and choice < 3:
+            entries[choice % ndim].append(name)
+        elif choice == 5 and allow_partial and partial is None:
+            partial = name
+            op = REDUCED[(code >> 12) % 3]
+    spec = tuple(e[0] if len(e) == 1 else tuple(e) if e else "None" for e in entries)
+    return spec, partial, op
+
+
+def _terms(x: torch.Tensor, parts: int, index: int, op: str, seed: int) -> torch.Tensor:
+    """This rank's term of a pending `op` that reduces to x. Terms of a sum are large next to x (as in
+    1000.1 + -999.0): an op that treats each term as the value (a cast, a nonlinearity) shows."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 1.0 if op == "max" else 300.0
+    noise = [scale * torch.rand(x.shape, generator=g, dtype=torch.float64).to(x.dtype) for _ in range(parts)]
+    if op == "max":  # rank 0 holds x, the others something smaller
+        return x.clone() if index == 0 else x - 1 - noise[index]
+    if op == "avg":
+        mean = sum(noise) / parts
+        return x + noise[index] - mean
+    others = sum(noise[1:]) if parts > 1 else torch.zeros_like(x)
+    return x - others if index == 0 else noise[index]
+
+
+def make_input(x: torch.Tensor, mesh: hp.Layout, code: int, plain: bool, grad: bool, seed: int,
+               allow_partial: bool = True):
+    """(the DTensor or plain tensor the chain sees, the leaf whose .grad is checked or None)."""
+    if plain:
+        leaf = x.clone().requires_grad_(grad)
+        return leaf, leaf
+    spec, partial, op = layout_for(mesh, x.ndim, code, allow_partial)
+    lay = mesh(*spec)
+    if partial is None:
+        d = hp.distribute_tensor(x, lay, src_data_rank=None)
+        if grad:
+            d.requires_grad_()
+        return d, d
+    axis = mesh.alias_name.index(partial)
+    term = _terms(x, mesh.mesh_shape[axis], lay.mesh.coordinate[axis], op, seed)
+    local = hp.distribute_tensor(term, lay, src_data_rank=None).to_local().clone()
+    return DTensor.from_local(local, lay.with_partial(partial, op), shape=tuple(x.shape)), None
+
+
+# ---- the chain --------------------------------------------------------------------------------
+class Run:
+    """One side of a case (plain or distributed): applies steps, making aux tensors as it goes."""
+
+    def __init__(self, mesh, dist: bool, seed: int, grad: bool):
+        self.mesh, self.dist, self.grad = mesh, dist, grad
+        self.gen = torch.Generator().manual_seed(seed)
+        self.leaves = []  # (name, leaf) whose .grad to compare
+
+    def aux(self, shape, code: int, name: str, partial_ok: bool = True):
+        x = torch.randn(shape, generator=self.gen)
+        plain = code % 5 == 4
+        if not self.dist:
+            leaf = x.clone().requires_grad_(self.grad)
+            self.leaves.append((name, leaf))
+            return leaf
+        t, leaf = make_input(x, self.mesh, code, plain, self.grad, code, partial_ok)
+        self.leaves.append((name, leaf))
+        return t
+
+    def step(self, t, op: str, p: int, k: int):
+        nd = t.ndim
+        dim = p % nd if nd else 0
+        if op in ("add_aux", "sub_aux"):
+            shape = list(t.shape)
+            if nd and p % 3 == 0:
+                shape[dim] = 1  # broadcast
+            other = self.aux(tuple(shape), p, f"aux{k}")
+            return t + other if op == "add_aux" else other - t
+        if op == "mul_scalar":
+            return t * (0.5 + p % 3)
+        if op in ("tanh", "exp", "relu", "neg"):
+            return {"tanh": torch.tanh, "exp": lambda v: (v * 0.3).exp(), "relu": torch.relu,
+                    "neg": torch.neg}[op](t)
+        if op == "matmul":
+            if nd == 0:
+                return t * 2
+            w = self.aux((t.shape[-1], 1 + p % 6), p >> 3, f"w{k}")
+            return t @ w
+        if op == "reshape_merge":
+            return t.reshape(-1, *t.shape[2:]) if nd >= 2 else t.reshape(-1)
+        if op == "flatten":
+            return t.flatten()
+        if op == "unsqueeze":
+            return t.unsqueeze(p % (nd + 1))
+        if op == "expand_as":  # a replicated or split (n, 1) leaf takes t's shape; t only lends it
+            if nd == 0:
+                return t
+            shape = (1,) * (nd - 1) + (t.shape[-1],) if p % 2 else tuple(t.shape[:-1]) + (1,)
+            y = self.aux(shape, p >> 1, f"donee{k}", partial_ok=False)
+            return y.expand_as(t) * t
+        if op in ("view_as", "reshape_as"):
+            y = self.aux((t.numel(),), p, f"donee{k}", partial_ok=False)
+            return (y.view_as(t) if op == "view_as" else y.reshape_as(t)) + t
+        if op in ("sum_dim", "mean_dim", "amax_dim"):
+            if nd == 0:
+                return t
+            keep = bool(p & 8)
+            return {"sum_dim": torch.sum, "mean_dim": torch.mean, "amax_dim": torch.amax}[op](t, dim, keepdim=keep)
+        if op == "sum_all":
+            return t.sum()
+        if op == "mean_all":
+            return t.mean()
+        if op == "softmax":
+            return t.softmax(dim) if nd else t
+        if op == "half_float":  # casts both as .to(dtype) and as the dtype's method
+            return ((t * 7.3).to(torch.float16) if p % 2 else (t * 7.3).half()).float()
+        if op == "bf16_float":
+            return ((t * 7.3).to(torch.bfloat16) if p % 2 else (t * 7.3).bfloat16()).float()
+        if op == "double_float":
+            return (t.to(torch.float64) if p % 2 else t.double()).float()
+        if op == "long_float":
+            return ((t * 3).to(torch.int64) if p % 2 else (t * 3).long()).float()
+        if op == "int_float":
+            return ((t * 3).to(torch.int32) if p % 2 else (t * 3).int()).to(torch.float32)
+        if op == "bool_float":
+            return (t.to(torch.bool) if p % 2 else t.bool()).float()
+        if op == "transpose":
+            return t.transpose(dim, (dim + 1) % nd) if nd >= 2 else t
+        if op == "slice0":
+            if nd == 0:
+                return t
+            n = t.shape[0]
+            start, stop, stride = (p % (n + 1)) - (n if p & 16 else 0), (p >> 2) % (n + 1), 1 + (p >> 5) % 3
+            return t[start:stop:stride] if len(range(n)[start:stop:stride]) else t
+        if op == "select0":
+            return t[p % t.shape[0]] if nd and t.shape[0] else t
+        if op == "setitem":
+            if nd == 0 or not t.shape[0]:
+                return t
+            n = t.shape[0]
+            t = t * 1
+            sl = slice(p % n, None, 1 + (p >> 3) % 2)
+            v = self.aux(tuple(t[sl].shape), p >> 4, f"v{k}", partial_ok=False)
+            t[sl] = v
+            return t
+        if nd == 0:  # the ops below need a dim
+            return t
+        if op == "cat_aux":
+            shape = list(t.shape)
+            shape[dim] = 1 + p % 3
+            return torch.cat([t, self.aux(tuple(shape), p >> 2, f"cat{k}")], dim)
+        if op == "where_aux":
+            return torch.where(t > 0, t, self.aux(tuple(t.shape), p, f"where{k}"))
+        if op == "max_values":
+            return t.max(dim).values
+        if op == "cumsum":
+            return t.cumsum(dim)
+        if op == "layer_norm":
+            return torch.nn.functional.layer_norm(t, t.shape[-1:])
+        if op == "clamp":
+            return t.clamp(-0.5, 0.7)
+        if op == "pow2":
+            return t.pow(2)
+        if op == "argmax_float":
+            return t.argmax(dim).float()
+        if op == "masked_fill":
+            return t.masked_fill(t > 0.3, -1.0)
+        if op == "rms_norm":
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if op == "gather":
+            idx = torch.randint(0, t.shape[dim], t.shape, generator=self.gen) if t.shape[dim] else None
+            return t if idx is None else torch.gather(t, dim, idx)
+        if op == "index_select":
+            if not t.shape[dim]:
+                return t
+            return t.index_select(dim, torch.randint(0, t.shape[dim], (1 + p % 4,), generator=self.gen))
+        if op == "div_aux":
+            return t / (self.aux(tuple(t.shape[dim:]), p, f"div{k}").abs() + 1)
+        if op == "getitem_list":
+            return t[[i % t.shape[0] for i in range(1 + p % 3)]] if t.shape[0] else t
+        raise ValueError(op)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, lowp: bool) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    tol = 2e-2 if lowp else 1e-3
+    return torch.allclose(a.double(), b.double(), atol=tol, rtol=tol, equal_nan=True)
+
+
+def run_case(case) -> str:
+    """"ok", "loud: <error>" or "wrong: <what>" for one case on this rank."""
+    mesh_key, shape, code, plain, steps, backward, seed = case
+    mesh_shape, names = MESHES[mesh_key]
+    mesh = hp.Layout(mesh_shape, names)
+    lowp = any(op in ("half_float", "bf16_float", "long_float", "int_float", "bool_float") for op, _ in steps)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    ref_run = Run(mesh, False, seed + 1, backward)
+    ref_x = x.clone().requires_grad_(backward)
+    ref_run.leaves.append(("x", ref_x))
+    ref = ref_x
+    try:
+        for k, (op, p) in enumerate(steps):
+            ref = ref_run.step(ref, op, p, k)
+    except Exception:  # the chain is not valid single-device code (e.g. a shape that cannot broadcast)
+        return "skip"
+    dist_run = Run(mesh, True, seed + 1, backward)
+    try:
+        t, leaf = make_input(x, mesh, code, plain, backward, seed)
+        dist_run.leaves.append(("x", leaf))
+        for k, (op, p) in enumerate(steps):
+            t = dist_run.step(t, op, p, k)
+        if not isinstance(t, DTensor):
+            if plain:  # the chain wrote DTensors into the plain input, or never met one: a plain value
+                t = DTensor.from_local(t, mesh(*["None"] * t.ndim))
+            else:
+                return f"wrong: result is {type(t).__name__}, not a DTensor"
+        if tuple(t.shape) != tuple(ref.shape):
+            return f"wrong: shape {tuple(t.shape)} vs {tuple(ref.shape)}"
+        full = t.full_tensor()
+        if not _close(full, ref.detach(), lowp):
+            return f"wrong: value ({t.dist_layout}) {full.flatten()[:4].tolist()} vs {ref.flatten()[:4].tolist()}"
+        if backward and ref.requires_grad:
+            w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
+            (ref * w).sum().backward()
+            if not t.requires_grad:  # every leaf was a pending reduction: nothing to compare
+                return "ok"
+            (t * w).sum().backward()
+            for (name, rl), (_, dl) in zip(ref_run.leaves, dist_run.leaves):
+                if dl is None or rl.grad is None:
+                    continue
+                if dl.grad is None:
+                    return f"wrong: {name} got no gradient"
+                got = dl.grad.full_tensor() if isinstance(dl.grad, DTensor) else dl.grad
+                if isinstance(dl, DTensor) and dl.grad.dist_layout is not dl.dist_layout:
+                    return f"wrong: {name}.grad layout {dl.grad.dist_layout}, not {dl.dist_layout}"
+                if not _close(got, rl.grad, lowp):
+                    return f"wrong: {name}.grad {got.flatten()[:4].tolist()} vs {rl.grad.flatten()[:4].tolist()}"
+    except Exception as e:
+        if isinstance(e, (AssertionError, AttributeError, IndexError, KeyError, TypeError)) \
+                and not isinstance(e, hp.MissingOpError):
+            return f"wrong: raised {type(e).__name__}: {e} {traceback.format_exc()[-600:]}"
+        return f"loud: {type(e).__name__}: {str(e)[:200]}"
+    return "ok"
+
+
+def run_cases(rank, world, cases) -> list:
+    """Every case on this rank (a harness job): one result string per case."""
+    return [run_case(c) for c in cases]
+
+
+def describe(case) -> str:
+    mesh_key, shape, code, plain, steps, backward, seed = case
+    mesh_shape, names = MESHES[mesh_key]
+    lay = "plain" if plain else layout_for(_FakeMesh(names), len(shape), code)
+    return f"mesh {mesh_key} x{shape} {lay} steps {steps} backward={backward} seed={seed}"
+
+
+class _FakeMesh:
+    """Enough of a Layout for layout_for() in the test process (no process group there)."""
+
+    def __init__(self, names):
+        self.alias_name = names
+
+
+def judge(cases, per_rank: list) -> list:
+    """Failures: a wrong value on some rank, or an error raised on some ranks only."""
+    failures = []
+    for i, case in enumerate(cases):
+        results = [r[i] for r in per_rank]
+        kinds = {r.split(":")[0] for r in results}
+        if any(r.startswith("wrong") for r in results):
+            failures.append(f"{describe(case)}: {next(r for r in results if r.startswith('wrong'))}")
+        elif len(kinds) > 1:
+            failures.append(f"{describe(case)}: an error on some ranks only: {results}")
+    return failures
+
+
+def tally(results: list) -> dict:
+    """How many cases ended ok / loud / skip / wrong (one rank's results)."""
+    counts: dict = {}
+    for r in results:
+        kind = r.split(":")[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts

@@ -1,0 +1,249 @@
+"""Pipeline parallel (hyper_parallel.pipeline) against one plain process training on the global batch."""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyper_parallel.parallel.pipeline import cut
+
+VOCAB, BATCH, SEQ, LR, STEPS = 96, 8, 10, 1e-3, 2
+
+
+def tiny_model(kind: str, layers: int = 4, device: str = "cpu"):
+    """A tiny random causal LM, identical in every process (fixed seed); device="meta" builds no data."""
+    import transformers
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    deepseek = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)
+    name, extra = {"llama": ("Llama", {}), "qwen2": ("Qwen2", {}), "qwen3": ("Qwen3", {"head_dim": 8}),
+                   "mistral": ("Mistral", {"sliding_window": 4}), "qwen3_moe": ("Qwen3Moe", {"head_dim": 8, **moe}),
+                   "deepseek_v3": ("DeepseekV3", deepseek)}[kind]
+    config = getattr(transformers, f"{name}Config")(**{**common, **extra})
+    cls = getattr(transformers, f"{name}ForCausalLM")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return cls(config).float()
+
+
+def batch():
+    """Global batch; labels with -100 spread unevenly, so micro-batches hold different token counts."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :7] = -100
+    labels[3, 2:] = -100
+    labels[5, ::3] = -100
+    return ids, labels
+
+
+def reference(kind: str):
+    """One plain process on the global batch: losses per step and every parameter after the steps."""
+    model = tiny_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids, labels = batch()
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _full(t):
+    from hyper_parallel import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def train_pipelined(rank, world, kind, mesh_shape, names, kwargs):
+    """Worker: the same training through pipeline(); losses, own parameters (full), stage layers."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", mesh_shape, names)
+    pipe = hp.pipeline(tiny_model(kind), mesh, **kwargs)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    ids, labels = batch()
+    losses = []
+    for _ in range(STEPS):
+        losses.append(pipe.step(ids, labels=labels).item())
+        opt.step()
+        opt.zero_grad()
+    params = {k: _full(v).detach().clone() for k, v in pipe.named_parameters()}
+    logits = pipe.eval_forward(ids)
+    return losses, params, [list(s.layers) for s in pipe.specs], logits
+
+
+def check_against_reference(results, kind, pp):
+    ref_losses, ref_params = reference(kind)
+    seen = {}
+    for rank, (losses, params, _, _) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, abs=1e-5), (rank, losses, ref_losses)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            seen.setdefault(name, set()).add(rank)
+    assert set(seen) == set(ref_params), sorted(set(ref_params) - set(seen))
+    # each pp rank holds only its stages: every parameter lives on world/pp ranks (its dp replicas)
+    assert all(len(r) == len(results) // pp for r in seen.values())
+    # eval logits: equal the plain model's after the same steps, on every rank
+    model = tiny_model(kind)
+    model.load_state_dict(ref_params, strict=False)
+    with torch.no_grad():
+        want = model(input_ids=batch()[0]).logits
+    for _, _, _, logits in results:
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+
+
+SCHEDULE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zb", 2),
+                  ("zbv", 2)]
+
+
+@pytest.mark.parametrize("schedule,spr", SCHEDULE_CASES)
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_schedules_pp2_match_one_process(dist2, kind, schedule, spr):
+    kwargs = dict(schedule=schedule, n_microbatches=4, stages_per_rank=spr)
+    results = dist2.run(train_pipelined, kind, (2,), ("pp",), kwargs)
+    check_against_reference(results, kind, pp=2)
+    layers = [sum(r[2], []) for r in results]
+    assert sorted(layers[0] + layers[1]) == [0, 1, 2, 3] and not set(layers[0]) & set(layers[1])
+
+
+def test_pp2_dp2_hsdp_matches_one_process(dist4):
+    kwargs = dict(schedule="1f1b", n_microbatches=2, hsdp={"threshold": 0})
+    results = dist4.run(train_pipelined, "llama", (2, 2), ("pp", "dp"), kwargs)
+    check_against_reference(results, "llama", pp=2)
+
+
+def test_pp2_tp2_shard_matches_one_process(dist4):
+    kwargs = dict(schedule="interleaved_1f1b", stages_per_rank=2, n_microbatches=2, tp="auto")
+    results = dist4.run(train_pipelined, "qwen3", (2, 2), ("pp", "tp"), kwargs)
+    check_against_reference(results, "qwen3", pp=2)
+
+
+def test_pp4_qwen3_moe_1f1b(dist4):
+    kwargs = dict(schedule="1f1b", n_microbatches=4)
+    results = dist4.run(train_pipelined, "qwen3_moe", (4,), ("pp",), kwargs)
+    check_against_reference(results, "qwen3_moe", pp=4)
+
+
+def save_pipelined(rank, world, path):
+    import hyper_parallel as hp
+    from hyper_parallel.checkpoint import save
+    pipe = hp.pipeline(tiny_model("llama"), hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    ids, labels = batch()
+    pipe.step(ids, labels=labels)
+    opt.step()
+    save({"model": pipe.state_dict()}, path)
+    return {k: v.detach().clone() for k, v in pipe.named_parameters()}
+
+
+def load_pipelined(rank, world, path):
+    """A meta build: each rank materialises only its stages, then loads them from the checkpoint."""
+    import hyper_parallel as hp
+    from hyper_parallel.checkpoint import load
+    pipe = hp.pipeline(tiny_model("llama", device="meta"), hp.init_device_mesh("cpu", (2,), ("pp",)),
+                       schedule="1f1b")
+    assert not any(t.is_meta for t in pipe.model.state_dict().values())
+    load({"model": pipe.state_dict()}, path)
+    return {k: v.detach().clone() for k, v in pipe.named_parameters()}, pipe.eval_forward(batch()[0])
+
+
+def test_save_pp2_load_one_process_and_pp2(dist2):
+    from hyper_parallel.checkpoint import load
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        saved = dist2.run(save_pipelined, path)
+        whole = {k: v for part in saved for k, v in part.items()}
+        assert not set(saved[0]) & set(saved[1])
+        model = tiny_model("llama")
+        for p in model.parameters():
+            torch.nn.init.zeros_(p)
+        state = {"model": model.state_dict()}
+        load(state, path)
+        got = dict(model.named_parameters())
+        assert set(got) == set(whole)
+        for name, value in whole.items():
+            assert torch.equal(got[name], value), name
+        with torch.no_grad():
+            want = model(input_ids=batch()[0]).logits
+        for params, logits in dist2.run(load_pipelined, path):
+            for name, value in params.items():
+                assert torch.equal(value, whole[name]), name
+            torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+
+
+def test_errors_are_clear():
+    import transformers
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (1,), ("pp",))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="does not know GPT2LMHeadModel"):
+        hp.pipeline(gpt2, mesh)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        hp.pipeline(tiny_model("llama"), mesh, schedule="nope")
+    with pytest.raises(ValueError, match="one stage per rank"):
+        hp.pipeline(tiny_model("llama"), mesh, schedule="1f1b", stages_per_rank=2)
+    with pytest.raises(ValueError, match="split points"):
+        hp.pipeline(tiny_model("llama"), mesh, schedule="interleaved_1f1b", stages_per_rank=2, split_points=[0])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "deepseek_v3"])
+def test_one_stage_equals_plain_model(kind):
+    """pp=1 in one process (no torch.distributed): the stage forward is the model's forward, padding
+    mask included, for every class the cutter knows."""
+    import hyper_parallel as hp
+    ids, _ = batch()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[6, :5] = 0
+    with torch.no_grad():
+        want = tiny_model(kind)(input_ids=ids, attention_mask=mask).logits
+        pipe = hp.pipeline(tiny_model(kind), hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="gpipe")
+        got = pipe.stages[0](ids, attention_mask=mask)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert pipe.model._hp_applied[-1].startswith("pp: 1 stages over 'pp' (gpipe")
+
+
+# ---- the cutter and balancer: property test ------------------------------------------------------------
+def _brute_force_best(weights, n_stages, first, last):
+    n = len(weights)
+    best = None
+    for cuts in itertools.combinations(range(1, n), n_stages - 1):
+        bounds = (0,) + cuts + (n,)
+        cost = max(sum(weights[a:b]) + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+                   for s, (a, b) in enumerate(zip(bounds, bounds[1:])))
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=9), st.integers(1, 5), st.integers(0, 80),
+       st.integers(0, 80), st.data())
+def test_balance_property(weights, n_stages, first, last, data):
+    if n_stages > len(weights):
+        with pytest.raises(ValueError, match="at least one layer"):
+            cut.balance(weights, n_stages, first, last)
+        return
+    stages = cut.balance(weights, n_stages, first, last)
+    assert [i for r in stages for i in r] == list(range(len(weights)))     # every layer once, in order
+    assert all(len(r) >= 1 for r in stages)
+    cost = max(sum(weights[i] for i in r) + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+               for s, r in enumerate(stages))
+    assert cost == _brute_force_best(weights, n_stages, first, last)       # optimal max stage weight
+    # split points: stages start exactly there
+    starts = sorted(data.draw(st.sets(st.integers(1, max(1, len(weights) - 1)), min_size=n_stages - 1,
+                                      max_size=n_stages - 1))) if len(weights) > n_stages - 1 else []
+    if len(starts) == n_stages - 1 and (not starts or starts[-1] < len(weights)):
+        given_stages = cut.stages_from_split_points(starts, len(weights), n_stages, "model.layers")
+        assert [r.start for r in given_stages[1:]] == starts
+        assert [i for r in given_stages for i in r] == list(range(len(weights)))

@@ -1,0 +1,46 @@
+"""Property test (issue 14): random meshes, layouts and op chains, with and without backward, against plain
+torch on one process. Cases are drawn here and run in batches on one pool per world size; the interpreter
+is tests/property_chains.py. HP_PROPERTY_EXAMPLES raises the number of batches (scripts/property_long.sh)."""
+import os
+
+import pytest
+
+from tests import property_chains as P
+
+try:
+    from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+EXAMPLES = int(os.environ.get("HP_PROPERTY_EXAMPLES", "3"))
+BATCH = int(os.environ.get("HP_PROPERTY_BATCH", "40"))
+WORLD_MESHES = {2: ["2"], 4: ["4", "2x2"]}
+
+
+if given is not None:
+    def _case(world):
+        return st.tuples(
+            st.sampled_from(WORLD_MESHES[world]),
+            st.lists(st.sampled_from([1, 2, 3, 4, 5, 6, 8]), min_size=1, max_size=3).map(tuple),
+            st.integers(0, 1 << 14),                    # layout code
+            st.integers(0, 5).map(lambda n: n == 0),   # a plain tensor input (1 in 6)
+            st.lists(st.tuples(st.sampled_from(P.OPS + P.CASTS), st.integers(0, 255)), min_size=1, max_size=4),
+            st.booleans(),                              # backward
+            st.integers(0, 10_000),                     # seed
+        )
+
+    def _check(pool, cases):
+        per_rank = pool.run(P.run_cases, cases)
+        print(f"property chains: {len(cases)} cases on {pool.world} ranks: {P.tally(per_rank[0])}")
+        failures = P.judge(cases, per_rank)
+        assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures[:25])
+
+    @pytest.mark.parametrize("world", [2, 4])
+    def test_random_chains_match_plain_torch(world, dist2, dist4):
+        @settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("HP_PROPERTY_RANDOM"),
+                  suppress_health_check=list(HealthCheck), database=None,
+                  phases=[Phase.explicit, Phase.generate])  # no shrinking: a failure lists every failing case
+        @given(st.lists(_case(world), min_size=BATCH, max_size=BATCH))
+        def batches(cases):
+            _check(dist2 if world == 2 else dist4, cases)
+        batches()
