@@ -116,7 +116,7 @@ def test_shard_alone_with_checkpointing(dist2, reentrant):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_shard_and_hsdp_2d_with_checkpointing(dist4, reentrant):
-    dist4.run(_cases, [("llama", level, True, reentrant) for level in ("level1", "level3")])
+    dist4.run(_cases, [("llama", level, True, reentrant) for level in ("level1", "level2", "level3")])
 
 
 # ---- property: random models, unit granularity, checkpoint placement and settings vs plain torch ----------

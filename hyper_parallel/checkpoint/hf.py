@@ -1,13 +1,16 @@
 """Hugging Face checkpoint folders <-> sharded models.
 
-`export_hf` writes what `from_pretrained` reads: `config.json` (+ `generation_config.json`) and one
+`export_hf` writes what `from_pretrained` reads: `config.json` (+ `generation_config.json`) and
 `model.safetensors` under the model's own state_dict names (a tied weight once, under its first
-name, as `save_pretrained` does). Rank 0 writes; every tensor is assembled there piece by piece
-from the ranks that own it (point-to-point), so no rank ever holds more than one full tensor.
+name, as `save_pretrained` does); past `max_shard_size` the weights are split into
+`model-0000i-of-0000n.safetensors` files with a `model.safetensors.index.json`, as transformers does.
+Rank 0 writes; every tensor is assembled there piece by piece from the ranks that own it
+(point-to-point), so no rank ever holds more than one full tensor.
 `load_hf` fills a sharded model from such a folder, each rank reading only its slices.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from contextlib import ExitStack
@@ -20,12 +23,13 @@ from torch import nn
 from ..dtensor.dtensor import DTensor
 from . import comm
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .format import SafetensorsWriter, hf_weight_map
+from .format import SafetensorsWriter, hf_weight_map, write_json
 from .loader import SliceReader
 from .pieces import local_of, overlap, region, writer_pieces
 from .saver import make_tmp, publish
 
 WEIGHTS_NAME = "model.safetensors"
+INDEX_JSON = "model.safetensors.index.json"
 
 
 def _model_tensors(model: nn.Module) -> list:
@@ -64,14 +68,51 @@ def gather_to_rank0(t: torch.Tensor) -> torch.Tensor | None:
     return full
 
 
-def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = True) -> None:
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a transformers-style size string ("5GB", "500MB", "2GiB")."""
+    if isinstance(size, int):
+        return size
+    from transformers.utils.hub import convert_file_size_to_int
+    return convert_file_size_to_int(size)
+
+
+def plan_files(tensors: list, max_bytes: int) -> list:
+    """Split the tensors, in order, into files of at most `max_bytes` (a larger tensor gets a file of its own):
+    [(file name, [(names, tensor)])]. One file is `model.safetensors`; several follow transformers' naming."""
+    groups: list = []
+    size = 0
+    for names, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not groups or (size + nbytes > max_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append((names, t))
+        size += nbytes
+    if len(groups) <= 1:
+        return [(WEIGHTS_NAME, groups[0] if groups else [])]
+    n = len(groups)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _architecture(model: nn.Module) -> str:
+    """The transformers class a wrapped model was made from (hsdp mixes a class into the model's own)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(model).__name__
+
+
+def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = True,
+              max_shard_size: int | str = "50GB") -> None:
     """Write a full Hugging Face checkpoint folder from a (possibly sharded) model; every rank calls it.
 
     The folder appears atomically (temporary folder, then rename); `from_pretrained(path)` loads it.
+    Weights past `max_shard_size` (bytes, or "5GB" style) are split over several files with an index.
     """
     path = Path(path).absolute()
     me = comm.rank()
     tensors = _model_tensors(model)
+    files = plan_files(tensors, parse_size(max_shard_size))
     tmp, problems = None, []
     if me == 0:
         try:
@@ -79,6 +120,8 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = Tr
             config = getattr(model, "config", None)
             if config is None or not hasattr(config, "save_pretrained"):
                 raise CheckpointError("export_hf needs a transformers model (with .config)")
+            config = copy.copy(config)
+            config.architectures = [_architecture(model)]
             config.save_pretrained(tmp)
             gen = getattr(model, "generation_config", None)
             if gen is not None and getattr(model, "can_generate", lambda: False)():
@@ -92,22 +135,34 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = Tr
         raise CheckpointError("\n  ".join(problems))
 
     writer = None
-    if me == 0:
-        try:
-            writer = SafetensorsWriter(tmp / WEIGHTS_NAME, [(names[0], t.dtype, tuple(t.shape)) for names, t in tensors],
-                                       {"format": "pt"})
-        except Exception as e:
-            problems.append(f"rank 0 could not create {tmp / WEIGHTS_NAME}: {e!r}")
-    for names, t in tensors:
-        full = gather_to_rank0(t)  # every rank takes part, even after a local failure, so no one hangs
-        if writer is not None and not problems:
+    for fname, group in files:
+        if me == 0 and not problems:
             try:
-                writer.write(full)
+                writer = SafetensorsWriter(tmp / fname, [(names[0], t.dtype, tuple(t.shape)) for names, t in group],
+                                           {"format": "pt"})
             except Exception as e:
-                problems.append(f"rank 0 could not write {names[0]!r}: {e!r}")
-        del full
+                problems.append(f"rank 0 could not create {tmp / fname}: {e!r}")
+        for names, t in group:
+            full = gather_to_rank0(t)  # every rank takes part, even after a local failure, so no one hangs
+            if writer is not None and not problems:
+                try:
+                    writer.write(full)
+                except Exception as e:
+                    problems.append(f"rank 0 could not write {names[0]!r}: {e!r}")
+            del full
+        if writer is not None and fname != files[-1][0] and not problems:
+            try:
+                writer.close()
+            except Exception as e:
+                problems.append(f"rank 0 could not finish {tmp / fname}: {e!r}")
     if me == 0:
-        problems = publish(tmp, path, problems, lambda: writer.close())
+        def finish():
+            writer.close()
+            if len(files) > 1:
+                index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
+                         "weight_map": {names[0]: fname for fname, group in files for names, _ in group}}
+                write_json(tmp / INDEX_JSON, index)
+        problems = publish(tmp, path, problems, finish)
         if problems and writer is not None:
             writer.abort()
     problems = comm.broadcast_object(problems)

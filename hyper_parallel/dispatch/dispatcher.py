@@ -59,6 +59,23 @@ _AUTOGRAD_API = {
     Tensor.backward: autograd_bridge.backward,
 }
 _PASSTHROUGH.discard(Tensor.backward)
+
+
+def _set_data(func, args, kwargs):
+    """`param.data = new` (how `Module.to/float/half/cpu` convert parameters in place, keeping their
+    identity, ties and optimizer references): a DTensor takes the new wrapper's metadata *and* its shard."""
+    target, new = args
+    if (type(target) is DTensor) != (type(new) is DTensor):
+        raise TypeError(f"cannot assign a {type(new).__name__} to the .data of a {type(target).__name__}: "
+                        f"both must be DTensors (or both plain tensors)")
+    func(target, new)  # the wrapper's own dtype, device and shape
+    if type(target) is DTensor:
+        target._local, target._layout, target._shape = new._local, new._layout, new._shape
+
+
+_SET_DATA = Tensor.data.__set__
+_PASSTHROUGH.discard(_SET_DATA)
+_AUTOGRAD_API[_SET_DATA] = _set_data  # not autograd, but the same kind of whole-tensor API
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
                     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
 

@@ -143,16 +143,21 @@ def _load_class(spec, root: Path, where: str) -> type:
     return _class_from_module(spec, where)
 
 
-def _entry(value, where: str) -> dict:
+def _string_mapping(value, where: str, what: str, keys: str) -> dict:
+    """`value` as a dict with string keys (None: empty), or a RuleFileError naming `where`."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise RuleFileError(f"{where}: an entry must be a mapping of options (e.g. {{rule: package.module.Class}}) "
-                            f"or empty, got {type(value).__name__} {value!r}")
+        raise RuleFileError(f"{where}: {what}, got {type(value).__name__} {value!r:.100}")
     bad = [k for k in value if not isinstance(k, str)]
     if bad:
-        raise RuleFileError(f"{where}: option names must be strings, got {bad!r}")
+        raise RuleFileError(f"{where}: {keys} must be strings, got {bad!r}")
     return dict(value)
+
+
+def _entry(value, where: str) -> dict:
+    return _string_mapping(value, where, "an entry must be a mapping of options (e.g. {rule: package.module.Class}) "
+                                         "or empty", "option names")
 
 
 def _read_rule_file(path: Path) -> dict:
@@ -160,15 +165,7 @@ def _read_rule_file(path: Path) -> dict:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise RuleFileError(f"{path}: not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise RuleFileError(f"{path}: a rule file must be a mapping from op names to entries, got "
-                            f"{type(data).__name__}")
-    bad = [k for k in data if not isinstance(k, str)]
-    if bad:
-        raise RuleFileError(f"{path}: op names must be strings (qualified names such as torch.Tensor.foo), got {bad!r}")
-    return data
+    return _string_mapping(data, str(path), "a rule file must be a mapping from op names to entries", "op names")
 
 
 def load_yaml(path: str | os.PathLike, root: str | os.PathLike | None = None) -> list[str]:

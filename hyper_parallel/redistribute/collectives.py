@@ -126,3 +126,67 @@ def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
     _record("broadcast", t)
     _issue("broadcast", src_rank, group, dist.broadcast, t, src_rank, group=group)
     return t
+
+
+def all_to_all_uneven(t: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows of `t` cut into `input_splits` pieces, piece i to rank i; the pieces received are `output_splits` long.
+
+    The expert-parallel token exchange (any split sizes, empty pieces included). Bytes counted are the
+    rows that leave this rank (its own piece stays local)."""
+    src = t.contiguous()
+    out = src.new_empty((sum(output_splits),) + tuple(src.shape[1:]))
+    if _COUNTERS:
+        row_bytes = src[:1].numel() * src.element_size()
+        leaving = sum(input_splits) - input_splits[dist.get_rank(group)]
+        for c in _COUNTERS:
+            c.counts["all_to_all"] += 1
+            c.bytes["all_to_all"] += leaving * row_bytes
+    detail = f"uneven rows of {tuple(src.shape[1:])} {src.dtype}"  # the splits differ by rank: not compared
+    _issue("all_to_all", detail, group, dist.all_to_all_single, out, src, output_split_sizes=list(output_splits),
+           input_split_sizes=list(input_splits), group=group)
+    return out
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    """Backward of an uneven all_to_all is the reverse all_to_all, with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, t, output_splits, input_splits, group):
+        ctx.splits = (output_splits, input_splits, group)
+        return all_to_all_uneven(t, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits, group = ctx.splits
+        return all_to_all_uneven(grad, input_splits, output_splits, group), None, None, None
+
+
+def all_to_all_uneven_autograd(t: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                               group) -> torch.Tensor:
+    """`all_to_all_uneven` that autograd differentiates (rows' gradients travel back to their senders)."""
+    return _AllToAllUneven.apply(t, list(output_splits), list(input_splits), group)
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> list:
+    """Point-to-point: post every send and receive at once (`batch_isend_irecv`), peers given as ranks of
+    `group`; returns the requests, to `wait()` on once the overlapping compute is done."""
+    ops = []
+    for t, peer in sends:
+        _record("send", t)
+        ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    # every rank of the group comes here (some with nothing to move), so check mode compares them all
+    return _issue("exchange", "point-to-point", group, _batch_p2p, ops)
+
+
+def _batch_p2p(ops: list) -> list:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def ring_step(t: torch.Tensor, group, index: int, parts: int) -> tuple[torch.Tensor, list]:
+    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer.
+
+    Returns (buffer, requests): the buffer holds the previous rank's tensor once the requests are waited on."""
+    t = t.contiguous()
+    buffer = torch.empty_like(t)
+    return buffer, exchange([(t, (index + 1) % parts)], [(buffer, (index - 1) % parts)], group)

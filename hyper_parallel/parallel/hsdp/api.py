@@ -21,18 +21,20 @@ ranks (times `grad_scale`), i.e. the gradient of the mean loss over the global b
 are equal. Full checkpoints: `model.full_state_dict()` / `model.load_full_state_dict(sd)` (rank 0).
 
 Limits: every rank must run the same modules (as with FSDP2); a parameter unused in a backward gets a
-zero gradient rather than None; casting or moving the model (`.to()`, `.half()`) after `hsdp` is not
-supported (do it before); gradient clipping and other whole-gradient ops run on the DTensor gradients
-and need the reduction op rules.
+zero gradient rather than None; `.to()`, `.half()`, `.float()`, `.cpu()` on the wrapped model are
+converted by `_apply` on the root, keeping the parameters' identity and sharding.
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
 
 from ...dtensor.dtensor import DTensor
+from .._applied import record_applied
+from .._model import bind_save_pretrained, refuse_foreign_dtensors
 from . import topology
 from .param import HsdpParam
 from .unit import HsdpState, Unit
@@ -70,6 +72,25 @@ class HSDPModule:
         from .state_dict import load_full_state_dict
         load_full_state_dict(self, state_dict, from_rank0)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype/device)`, `.float()`, `.half()`, `.cpu()`: convert hsdp's shards, full buffers and
+        compute parameters together (the parameters stay the same objects), then the module's buffers.
+        Call it on the root (the hsdp-wrapped) module."""
+        for unit in self._hsdp_state.units:
+            if unit.inflight is not None:
+                unit.gather()  # no collective left in flight
+        for p in self._hsdp_state.params:
+            p.convert(fn)
+        return super()._apply(fn, recurse)  # buffers; the parameters are already converted (fn is a no-op)
+
+    def materialize_hsdp(self, device: torch.device | str = "cpu") -> None:
+        """Memory for a model wrapped on the meta device: each rank's shards only (level3), values unset;
+        fill them with `hyper_parallel.checkpoint.load_hf` (what `from_pretrained` does)."""
+        for p in self._hsdp_state.params:
+            p.allocate(torch.device(device))
+        for unit in self._hsdp_state.units:
+            unit.hook_grads()
+
     def hsdp_held_tensors(self) -> list:
         """Every tensor hsdp holds for parameters and gradients (for memory accounting)."""
         out = []
@@ -98,6 +119,7 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hsdp takes an nn.Module, got {type(model).__name__}")
+    refuse_foreign_dtensors(model, "hsdp")
     for m in model.modules():
         if isinstance(m, HSDPModule) or hasattr(m, "_hsdp_state"):
             raise ValueError(f"hsdp: {'the model' if m is model else type(m).__name__} is already wrapped by hsdp; "
@@ -126,7 +148,22 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
     model._hsdp_state = state
     cls = type(model)
     model.__class__ = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {})
+    _report(model, state, optimizer_level, threshold)
+    bind_save_pretrained(model)
     return model
+
+
+def _report(model: nn.Module, state: HsdpState, optimizer_level: str, threshold: float) -> None:
+    """Record what was sharded (for `summary` and the INFO log); warn when the threshold sharded nothing."""
+    sharded = [p for p in state.params if p.sharded]
+    size = state.topo.shard_size
+    record_applied(model, f"dp: hsdp {optimizer_level}, {len(sharded)} of {len(state.params)} parameters sharded "
+                          f"{size}-way (threshold {threshold} KB)")
+    if size > 1 and state.params and not sharded:
+        warnings.warn(f"hsdp: threshold={threshold} KB left every parameter of {type(model).__name__} unsharded "
+                      f"(the largest holds {max(p.buffer.numel() * p.buffer.element_size() for p in state.params) / 1024:.1f} KB): "
+                      f"optimizer state, gradients and parameters are replicated; lower the threshold "
+                      f"(threshold=0 shards every parameter)", stacklevel=3)
 
 
 def _is_number(v) -> bool:

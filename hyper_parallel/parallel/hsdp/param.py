@@ -169,6 +169,61 @@ class HsdpParam:
             with torch.no_grad():
                 g._local.add_(shard_grad)
 
+    # ---- memory for a model wrapped on the meta device ----------------------------------------
+    @torch.no_grad()
+    def allocate(self, device: torch.device) -> None:
+        """Real memory for a parameter that hsdp wrapped on the meta device: the shard (and, level1/2,
+        the full buffer), values unset: load them next. Both faces become new Parameter objects."""
+        self.buffer = torch.empty(self.buffer.numel(), dtype=self.dtype, device=device)
+        self.full = self.buffer[: self.rows * self.row].view(self.local_shape)
+        if self.sharded and self.level == 3:
+            shard = torch.empty((self.length,) + self.local_shape[1:], dtype=self.dtype, device=device)
+        else:
+            shard = self._buffer_rows() if self.sharded else self.full
+        self.sparam = _parameter(make_dtensor(shard, self.layout, self.global_shape), self.requires_grad)
+        c = make_dtensor(self.full, self.compute_layout, self.global_shape) if self.compute_layout else self.full
+        self.compute = _parameter(c, self.requires_grad)
+        self.install(self.sparam)
+        self.gathered = True
+        self.version = None  # loaded shards: the first forward gathers
+        self.free()
+
+    # ---- dtype / device conversion (Module.to, .float(), .half(), .cpu()) -----------------
+    @torch.no_grad()
+    def convert(self, fn) -> None:
+        """Apply a tensor conversion `fn` (as `Module._apply` gets it) to both faces, keeping the
+        Parameter objects (optimizer references, tied registrations, grad hooks) and the sharding."""
+        if self.level == 3 and self.sharded:
+            if self.gathered:
+                self.free()
+            shard = fn(self.sparam._local)
+            if shard is self.sparam._local:
+                return
+            self.buffer = torch.empty(self.buffer.numel(), dtype=shard.dtype, device=shard.device)
+            self.full = self.buffer[: self.rows * self.row].view(self.local_shape)
+        else:
+            if self.level != 3 and self.sharded:
+                self.gather_input()  # the optimizer or a load may have replaced the shard: rows are current
+            buffer = fn(self.buffer)
+            if buffer is self.buffer:
+                return
+            self.buffer = buffer.contiguous()
+            self.full = self.buffer[: self.rows * self.row].view(self.local_shape)
+            shard = self._buffer_rows() if self.sharded else self.full
+        self.dtype = shard.dtype
+        self.sparam.data = make_dtensor(shard, self.layout, self.global_shape)
+        c = make_dtensor(self.full, self.compute_layout, self.global_shape) if self.compute_layout else self.full
+        self.compute.data = c
+        if self.sparam.grad is not None:
+            g = self.sparam.grad
+            self.sparam.grad = make_dtensor(fn(g._local), g._layout, tuple(g.shape))
+        self.compute.grad = None  # unreduced micro-batch gradients do not survive a cast
+        self.gathered = not (self.level == 3 and self.sharded)
+        # other ranks' rows may predate their last optimizer step: the next forward gathers them again
+        self.version = None if self.sharded else self._shard_version()
+        if self.level == 3 and self.sharded:
+            self.buffer.untyped_storage().resize_(0)
+
     # ---- module registration ------------------------------------------------------------
     def install(self, which: nn.Parameter) -> None:
         for module, name in self.registrations:

@@ -10,9 +10,13 @@ Per unit and step:
    compute parameters into the module, and with `comm_async` start the next unit's gather;
 2. post-forward: swap the sharded parameters back (so `model.parameters()` is always the sharded
    view), free (level3, not the root) and hook the outputs so their gradient triggers the re-gather;
-3. backward: the outputs' hook gathers again (and prefetches the unit before it); each compute
-   parameter's post-accumulate-grad hook counts down, and when the unit's gradients are all there
-   they are reduced (or, during accumulation without sync, left to accumulate) and level3 frees;
+3. backward: the outputs' hook gathers again (and prefetches the unit before it) and swaps the compute
+   parameters in until the unit's gradients are all there, as FSDP2's pre-backward unshard does: activation
+   checkpointing recomputes the forward inside backward (transformers checkpoints `forward`, so the hooks
+   do not run again; `torch.utils.checkpoint` around a module call runs them again, and then they leave
+   the parameters swapped in); each compute parameter's post-accumulate-grad hook counts down, and when
+   the unit's gradients are all there they are reduced (or, during accumulation without sync, left to
+   accumulate), the sharded parameters are swapped back and level3 frees;
 4. end of backward (an autograd engine callback queued by the first hook of the pass): reduce
    units that did not complete (unused parameters contribute zeros, so every rank issues the same
    collectives), finish async reductions, free what is still gathered.
@@ -43,10 +47,14 @@ class Unit:
         self.reduced = False
         self.inflight = None  # (works, finishes, buffers, versions) of an issued gather
         self.in_backward = False  # between its pre-backward hook and its gradients: compute params installed
-        for p in self.grad_params:
-            p.compute.register_post_accumulate_grad_hook(self._on_grad)
+        self.hook_grads()
         self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True),
                         module.register_forward_hook(self._post_forward)]
+
+    def hook_grads(self) -> None:
+        """Count the gradients arriving at the compute parameters (again after they were replaced)."""
+        for p in self.grad_params:
+            p.compute.register_post_accumulate_grad_hook(self._on_grad)
 
     # ---- gathering ----------------------------------------------------------------------
     def start_gather(self) -> None:
@@ -102,7 +110,7 @@ class Unit:
     # ---- hooks --------------------------------------------------------------------------
     def _pre_forward(self, module, args):
         state = self.state
-        if state.in_backward:  # activation checkpointing recomputes this forward inside backward
+        if torch._C._current_autograd_node() is not None:  # activation checkpointing recomputes it in backward
             self.gather()
             self.install_compute()
             return None
@@ -229,10 +237,14 @@ class HsdpState:
         self.order: list = []
         self.last_order: list = []
         self._callback_queued = False
-        self.in_backward = False  # from the first pre-backward hook to the end-of-backward callback
 
     # ---- forward order (prefetch targets) -------------------------------------------------
     def begin_forward(self) -> None:
+        if self._callback_queued:  # the last backward stopped before its end (an exception): start afresh
+            self._callback_queued = False
+            for u in self.units:
+                u.seen, u.reduced = 0, False
+                u.install_sharded()
         if self.order:
             self.last_order = self.order
         self.order = []
@@ -261,13 +273,11 @@ class HsdpState:
     def backward_started(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
         """Reduce what did not complete, in a fixed order (the same on every rank), and clean up."""
         self._callback_queued = False
-        self.in_backward = False
         ordered = []
         for u in list(reversed(self.order)) + self.units:
             if u not in ordered:

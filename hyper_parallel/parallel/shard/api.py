@@ -9,6 +9,7 @@ the module's output hook reduces once. Reading order: `shard` -> `_resolve` -> `
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -21,6 +22,8 @@ from ...layout.layout import Layout, PlacementLayout, replicate_layout
 from ...layout.mesh import DeviceMesh, ensure_process_group, get_mesh
 from ...redistribute import collectives
 from ...redistribute.planner import redistribute_local
+from .._applied import record_applied
+from .._model import bind_save_pretrained, refuse_foreign_dtensors
 from .plan import (Boundary, Resolved, ShardingPlan, auto_plan, check_heads, resolve_sharding_plan,
                    resolve_styles)
 
@@ -41,11 +44,14 @@ def shard(model: nn.Module, plan: Any, mesh: DeviceMesh | Layout | None = None, 
     from coordinate 0 of the mesh (as torch does) so that ranks that built different random weights
     agree; None skips it (every rank already holds the same weights, or they are on the meta device).
     """
+    refuse_foreign_dtensors(model, "shard")
     mesh, tp_mesh = _resolve_mesh(plan, mesh)
     res = _resolve(model, plan, mesh, tp_mesh)
     _lay_out_parameters(model, res, src_data_rank)
     _install_boundaries(model, res)
     _install_experts(model, res)
+    _report(model, plan, tp_mesh or mesh)
+    bind_save_pretrained(model)
     return model
 
 
@@ -53,6 +59,27 @@ def shard_module(model: nn.Module, mesh: DeviceMesh | Layout | None, plan: Any, 
                  src_data_rank: int | None = 0) -> nn.Module:
     """`shard` with torch's argument order (`parallelize_module(module, mesh, plan)`)."""
     return shard(model, plan, mesh, src_data_rank=src_data_rank)
+
+
+def _report(model: nn.Module, plan: Any, mesh: DeviceMesh) -> None:
+    """Record what was split (for `summary` and the INFO log) and warn when the plan had little effect."""
+    params = dict(model.named_parameters())
+    split = [n for n, p in params.items() if isinstance(p, DTensor) and p.dist_layout.sharded_axes]
+    axes = "x".join(f"{a!r}" for a in mesh.mesh_dim_names)
+    record_applied(model, f"tp: {len(split)} of {len(params)} parameters split over {axes} "
+                          f"({mesh.size()}-way), plan {plan if isinstance(plan, str) else type(plan).__name__}")
+    ends = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)() if hasattr(model, getter) else None
+        if module is not None and getattr(module, "weight", None) is not None:
+            ends.add(id(module.weight))
+    if mesh.size() > 1 and not split:
+        warnings.warn(f"shard: the plan split no parameter of {type(model).__name__}: every rank holds and "
+                      f"computes the whole model; give a plan that names its projections", stacklevel=3)
+    elif mesh.size() > 1 and all(id(params[n]) in ends for n in split):
+        warnings.warn(f"shard: the plan splits only the embedding and the head of {type(model).__name__} "
+                      f"(that is all its tp_plan holds): the layers run replicated on every rank; give a plan "
+                      f"for the layers' projections (ShardingPlan or a style dict) to split them", stacklevel=3)
 
 
 # ---- mesh and plan ------------------------------------------------------------------------------

@@ -80,6 +80,17 @@ def init_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
     parameter's name and the piece's offset, so replicas agree without communication. Buffers
     (rotary frequencies) are recomputed by the model's own `_init_weights` where it has one.
     """
+    return _allocate(model, seed, fill=True)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module) -> nn.Module:
+    """`init_parameters` without the values: memory for each local piece only, to be loaded next
+    (`load_hf`, `load_sharded`); tied parameters stay tied, computed buffers are computed. Returns the model."""
+    return _allocate(model, 0, fill=False)
+
+
+def _allocate(model: nn.Module, seed: int, fill: bool) -> nn.Module:
     std = _std(model)
     done: dict = {}
     modules_with_buffers = []
@@ -91,8 +102,9 @@ def init_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
             done[id(t)] = t
             continue
         local = torch.empty(_local_shape(t), dtype=t.dtype, device=_device(t))
-        offset = t.dist_layout.local_offset(tuple(t.shape)) if isinstance(t, DTensor) else (0,) * t.ndim
-        _fill(local, module, attr, name, offset, std, seed)
+        if fill:
+            offset = t.dist_layout.local_offset(tuple(t.shape)) if isinstance(t, DTensor) else (0,) * t.ndim
+            _fill(local, module, attr, name, offset, std, seed)
         new = _with_local(t, local)
         done[id(t)] = new
         module._parameters[attr] = new
@@ -101,11 +113,16 @@ def init_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
             module._buffers[attr] = _with_local(t, torch.zeros(_local_shape(t), dtype=t.dtype, device=_device(t)))
             if module not in modules_with_buffers:
                 modules_with_buffers.append(module)
+    _init_buffers(model, modules_with_buffers)
+    return model
+
+
+def _init_buffers(model: nn.Module, modules: list) -> None:
+    """Computed buffers (rotary frequencies) by the model's own `_init_weights`, module by module."""
     init_fn = getattr(model, "_init_weights", None)
-    for module in modules_with_buffers:
+    for module in modules:
         if init_fn is not None and not any(True for _ in module.parameters(recurse=False)):
             init_fn(module)
-    return model
 
 
 def _fill(local: Tensor, module: nn.Module, attr: str, name: str, offset: tuple, std: float, seed: int) -> None:

@@ -1,0 +1,135 @@
+"""Hugging Face folders <-> parallel models in one call: `from_pretrained` and `save_pretrained`.
+
+`from_pretrained(path, mesh)` never builds the full model: the model is made from the config on the
+meta device, `parallelize`d there (tp, ep, cp, then hsdp: still meta), given memory for its local
+pieces only (hsdp's shards, `materialize` for the rest; computed buffers such as rotary frequencies
+are computed), and filled by `load_hf`, which reads each rank's slices of each tensor straight from
+the safetensors files (`get_slice`). So a rank's private peak is about its own pieces plus one slice
+in flight (with hsdp level1/2, plus the full buffers those levels keep anyway). `save_pretrained` is `export_hf`: a standard
+folder that plain transformers loads, split with an index past `max_shard_size`, published atomically.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import CheckpointNotFoundError
+from .format import hf_weight_map
+from .hf import export_hf, load_hf
+
+# Arguments of transformers' save_pretrained that describe what it already is here (every rank calls,
+# safetensors always), so code written for it (Trainer, scripts) can pass them unchanged.
+_SAVE_KWARGS_ACCEPTED = {"is_main_process", "safe_serialization", "state_dict", "save_function", "variant"}
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "50GB",
+                    overwrite: bool = True, **kwargs) -> None:
+    """Write `model` (parallelized or not) as a standard Hugging Face folder; every rank calls it.
+
+    config.json (+ generation_config.json) and the weights as safetensors, split into
+    `model-0000i-of-0000n.safetensors` files with `model.safetensors.index.json` past `max_shard_size`
+    ("5GB" style or bytes), exactly what `AutoModel*.from_pretrained(path)` loads on one device. The
+    folder appears atomically: an existing one is replaced only once the new one is complete.
+    """
+    unknown = sorted(set(kwargs) - _SAVE_KWARGS_ACCEPTED)
+    if unknown:
+        raise TypeError(f"save_pretrained: unsupported arguments {unknown} for a hyper_parallel model "
+                        f"(push_to_hub and friends: upload the folder it wrote instead)")
+    if kwargs.get("state_dict") is not None:
+        raise ValueError("save_pretrained(state_dict=...): a parallel model is saved from its own parameters; "
+                         "load the state dict into the model first")
+    export_hf(model, path, overwrite=overwrite, max_shard_size=max_shard_size)
+
+
+def _config(path: Path):
+    from transformers import AutoConfig
+    if not (path / "config.json").is_file():
+        raise CheckpointNotFoundError(f"from_pretrained: no config.json in {path} (a local Hugging Face folder "
+                                      f"is needed; download it first, e.g. with huggingface_hub.snapshot_download)")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def _model_class(config, auto_class):
+    import transformers
+    if auto_class is not None:
+        return auto_class
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    raise ValueError(f"from_pretrained: the config names no transformers class in `architectures` "
+                     f"({getattr(config, 'architectures', None)}); pass auto_class=, e.g. AutoModelForCausalLM")
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype | None:
+    """The dtype of the first floating tensor stored in the folder (transformers' dtype="auto" fallback)."""
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    files = [path / next(iter(hf_weight_map(path, index).values()))] if index.is_file() \
+        else sorted(path.glob("*.safetensors"))[:1]
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                t = h.get_slice(key)
+                dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                         "F64": torch.float64}.get(t.get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
+def _build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
+    """The model with every parameter and buffer on the meta device (no memory, no random init)."""
+    with torch.device("meta"):
+        if hasattr(cls, "_from_config"):
+            return cls._from_config(config, dtype=dtype)
+        return cls.from_config(config, dtype=dtype)  # an Auto class
+
+
+def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtype: torch.dtype | None = None,
+                    **parallelize_kwargs) -> nn.Module:
+    """A parallel model from a Hugging Face folder, each rank reading only its slices; every rank calls it.
+
+    Built from the config on the meta device (`auto_class` defaults to the class the config's
+    `architectures` names; pass e.g. `AutoModelForCausalLM` otherwise), `parallelize`d on `mesh` with
+    `parallelize_kwargs` (tp=, ep=, cp=, hsdp=), then each rank allocates its local pieces and reads them
+    from the folder's safetensors (one file or an indexed set). `dtype` defaults to the config's (as
+    transformers' dtype="auto"). Tied weights stay tied. Equals transformers' own `from_pretrained`
+    on one device, parallelized.
+    """
+    from ..parallel.parallelize import check_request, data_parallel, model_parallel
+    from ..parallel.shard.init import materialize
+    folder = Path(path).absolute()
+    if mesh is not None:
+        check_request(mesh, **parallelize_kwargs)
+    elif parallelize_kwargs:
+        raise ValueError(f"from_pretrained: {sorted(parallelize_kwargs)} need a mesh")
+    config = _config(folder)
+    cls = _model_class(config, auto_class)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = dtype or _checkpoint_dtype(folder) or torch.float32
+    model = _build_on_meta(cls, config, dtype)
+    model.eval()  # as transformers' from_pretrained
+    if mesh is not None:
+        hsdp = parallelize_kwargs.pop("hsdp", None)
+        model_parallel(model, mesh, **parallelize_kwargs)
+        data_parallel(model, mesh, hsdp)
+    if hasattr(model, "materialize_hsdp"):
+        model.materialize_hsdp(_mesh_device(mesh))
+    materialize(model)
+    load_hf(model, folder, strict=True)
+    return model
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+__all__ = ["from_pretrained", "save_pretrained"]

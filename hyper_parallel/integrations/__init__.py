@@ -1,0 +1,1 @@
+"""Glue for other libraries' training loops (optional dependencies, imported on use)."""

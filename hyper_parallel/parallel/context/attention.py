@@ -1,0 +1,193 @@
+"""The attention function context parallelism registers with transformers (`AttentionInterface`).
+
+Why a registered function and not a dispatcher rule for `scaled_dot_product_attention`: the sdpa
+and eager paths of transformers build their masks from the *position in the tensor*, which under a
+split (and load-balanced) sequence is not the token's global position, and eager never calls sdpa.
+The model's config names this function instead; its masks are made here, block by block, from the
+original token index of every query and key, and the mask builders of `masking_utils` hand the 2D
+padding mask over untouched (the mask function registered under the same name returns it as is). The model's code is not modified: q, k, v arrive as DTensors
+split on the sequence over the context axis (heads possibly split over "tp"), and the output leaves
+as one, so everything around attention keeps going through the DTensor dispatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ...dtensor import DTensor
+from ...redistribute import collectives as C
+from .ring import Ring, RingAttention, Visibility, block_forward
+from .zigzag import token_index
+
+METHODS = ("ring", "ulysses", "allgather")
+
+
+@dataclass
+class ContextSettings:
+    """What one `context_parallel` call chose: the mesh axis, its group and this rank's place, the method."""
+
+    mesh: object
+    axis: str
+    method: str
+    axis_index: int = field(init=False)
+    parts: int = field(init=False)
+    rank: int = field(init=False)
+    group: object = field(init=False)
+
+    def __post_init__(self):
+        self.axis_index = self.mesh.axis_index(self.axis)
+        self.parts = self.mesh.size(self.axis)
+        self.rank = self.mesh.get_local_rank(self.axis)
+        self.group = self.mesh.get_group(self.axis) if self.parts > 1 else None
+
+    def ring(self, seq_len: int, device) -> Ring:
+        chunk = seq_len // (2 * self.parts)
+        return Ring(self.group, self.rank, self.parts,
+                    tuple(token_index(r, self.parts, chunk, device) for r in range(self.parts)))
+
+
+def register_attention(settings: ContextSettings) -> str:
+    """Register this model's context-parallel attention with transformers; returns the name to configure."""
+    name = f"hyper_parallel_cp_{settings.method}_{id(settings):x}"
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                  sliding_window=None, softcap=None, **_):
+        return context_attention(settings, module, query, key, value, attention_mask, dropout, scaling,
+                                 is_causal, sliding_window, softcap)
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _padding_mask_as_is)
+    return name
+
+
+def _padding_mask_as_is(attention_mask=None, **_):
+    """The mask builders' output for this attention: the 2D padding mask itself (or None)."""
+    return attention_mask
+
+
+def context_attention(settings, module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                      sliding_window, softcap):
+    """(b, L, heads, dv) DTensor output of exact attention over the whole (split) sequence, and None."""
+    where = f"context_parallel attention in {type(module).__name__}"
+    if dropout and module.training:
+        raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; set the config's "
+                         "attention_dropout to 0")
+    if softcap is not None:
+        raise ValueError(f"{where}: logit softcapping is not supported")
+    query, key, value = _common_layout(settings, query, key, value, where)
+    if isinstance(attention_mask, Tensor) and attention_mask.ndim != 2:
+        raise ValueError(f"{where}: only 2D padding masks are supported, got a {attention_mask.ndim}D mask")
+    seq_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    key_ok = None
+    if attention_mask is not None:
+        full = attention_mask.full_tensor() if isinstance(attention_mask, DTensor) else attention_mask
+        key_ok = None if bool(full.all()) else full.to(torch.bool)
+    vis = Visibility(bool(causal), sliding_window, key_ok)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = query.to_local(), key.to_local(), value.to_local()
+    ring = settings.ring(seq_len, q.device)
+    if settings.method == "ring":
+        out = RingAttention.apply(q, k, v, ring, vis, scale)
+    elif settings.method == "ulysses":
+        out = _ulysses(settings, ring, vis, q, k, v, scale, where)
+    else:
+        out = _allgather(settings, ring, vis, q, k, v, scale)
+    shape = tuple(query.shape[:3]) + (value.shape[-1],)
+    out = DTensor.from_local(out, query.dist_layout, shape=shape)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _common_layout(settings, query, key, value, where):
+    """q, k, v in one layout: the sequence (dim 2) split over the axis, heads split as q's are where the
+    key/value heads divide (else whole), batch as it comes, head_dim whole, no pending reduction."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, DTensor) or t.dist_layout.tensor_map[2] != (settings.axis_index,):
+            layout = t.dist_layout.alias_entries() if isinstance(t, DTensor) else "a plain tensor"
+            raise ValueError(f"{where}: {name} must be split on its sequence dim (2) over {settings.axis!r}, "
+                             f"got {layout}; call the model through context_parallel's pre-hook (whole inputs, "
+                             "or DTensors split on the sequence over the axis)")
+    layout = query.dist_layout
+    tensor_map = list(layout.tensor_map)
+    tensor_map[3] = ()
+    if key.shape[1] % layout.shard_count(1):
+        tensor_map[1] = ()
+    target = layout.with_map(tensor_map, (None,) * layout.mesh.ndim)
+    return tuple(t if t.dist_layout is target else t.redistribute(target) for t in (query, key, value))
+
+
+def _all_index(ring: Ring) -> Tensor:
+    return torch.cat(ring.index)
+
+
+def _local_attention(q, k, v, vis: Visibility, q_index, k_index, scale):
+    """Plain differentiable attention of q over k/v with the global-position mask (torch's sdpa when it can)."""
+    mask = vis.mask(q_index, k_index, slice(None))
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    if bool(mask.any(-1).all()):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
+    return block_forward(q, k, v, mask, scale)[0]  # rows that see no key at all come out 0
+
+
+def _allgather(settings, ring, vis, q, k, v, scale):
+    k_full, v_full = _GatherSequence.apply(k, settings), _GatherSequence.apply(v, settings)
+    return _local_attention(q, k_full, v_full, vis, ring.index[ring.rank], _all_index(ring), scale)
+
+
+def _ulysses(settings, ring, vis, q, k, v, scale, where):
+    parts = settings.parts
+    for name, t in (("query", q), ("key/value", k)):
+        if t.shape[1] % parts:
+            raise ValueError(f"{where}: ulysses needs the {name} heads on each rank ({t.shape[1]}) to divide "
+                             f"by the {settings.axis!r} size {parts}; use method='ring' or 'allgather'")
+    q, k, v = (_AllToAll.apply(t, settings, 2, 1) for t in (q, k, v))  # sequence split -> head split
+    index = _all_index(ring)
+    if vis.key_ok is None:  # back to the plain order, where a causal mask is sdpa's is_causal
+        order = torch.argsort(index)
+        q, k, v = (t.index_select(2, order) for t in (q, k, v))
+        vis_plain = Visibility(vis.causal, vis.window)
+        out = _local_attention(q, k, v, vis_plain, index[order], index[order], scale) if vis.window is not None \
+            else F.scaled_dot_product_attention(q, k, v, is_causal=vis.causal, scale=scale,
+                                                enable_gqa=q.shape[1] != k.shape[1])
+        out = out.index_select(2, torch.argsort(order))
+    else:
+        out = _local_attention(q, k, v, vis, index, index, scale)
+    return _AllToAll.apply(out, settings, 1, 2)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of the sequence dim (2); the gradient is reduce-scattered back (each rank's queries
+    contribute to every key)."""
+
+    @staticmethod
+    def forward(ctx, t, settings):
+        ctx.settings = settings
+        return C.all_gather(t, 2, settings.group, [t.shape[2]] * settings.parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = ctx.settings
+        piece = grad.shape[2] // s.parts
+        return C.reduce_scatter(grad, 2, "sum", s.group, [piece] * s.parts, s.rank).contiguous(), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all gathering `gather_dim` and scattering `scatter_dim`: (b, h, L/n, d) -> (b, h/n, L, d) with
+    (2, 1), back with (1, 2); the gradient takes the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, t, settings, gather_dim, scatter_dim):
+        ctx.args = (settings, scatter_dim, gather_dim)
+        return C.all_to_all(t, gather_dim, scatter_dim, settings.group, settings.parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        settings, gather_dim, scatter_dim = ctx.args
+        return C.all_to_all(grad, gather_dim, scatter_dim, settings.group, settings.parts), None, None, None

@@ -1,0 +1,214 @@
+"""expert_parallel(): every MoE experts module keeps a block of whole experts per rank of one mesh axis.
+
+Reading order: `expert_parallel` -> `find_experts` -> `_lay_out_parameters` -> `_dispatching_forward`
+-> `_split_batch_hook`. The axis also carries a share of the batch, like a data-parallel axis: the
+model's inputs are split on their batch dim over it, so every activation is a DTensor sharded on rows,
+and the op rules give single-device semantics to everything outside the experts (replicated
+parameters get their gradients summed over the axis, the loss is the global mean). Inside an experts
+module the local rows travel to the experts' owners and back (dispatch.py); the module's own forward
+computes the local experts, so whatever the model's experts do (gating, biases, grouped_mm or eager
+loops) is kept. Experts are Shard(0) DTensors, which checkpoints save and reshard like any parameter.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from ...dtensor.autograd import Wrap, local_input
+from ...dtensor.dtensor import DTensor, make_dtensor
+from ...layout.layout import Layout, replicate_layout
+from ...layout.mesh import DeviceMesh
+from ...layout.placement import REPLICATE, Shard
+from .._applied import record_applied
+from ..shard.api import distribute_parameter, move
+from .dispatch import dispatch_combine
+
+# model inputs that are never batch-major, whatever their length
+_NOT_BATCH = frozenset({"cache_position", "logits_to_keep"})
+
+
+def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.Module:
+    """Spread the experts of every MoE experts module of `model` over mesh axis `axis`, in place.
+
+    Each rank of the axis keeps a contiguous block of whole experts; the model's inputs are split on
+    their batch dim over the axis (DTensors already laid out are taken as they are); routed tokens
+    travel to their experts by all_to_all and come back by a second one. Every other parameter is
+    replicated over the axis (data-parallel). Compose with `shard` first (tp) and `hsdp` after (dp).
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"expert_parallel: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    ranks = mesh.size(axis)  # raises, naming the axes, if the mesh lacks `axis`
+    experts = find_experts(model)
+    if not experts:
+        raise ValueError(f"expert_parallel: {type(model).__name__} has no MoE experts module (a module whose "
+                         f"parameters stack experts on dim 0 and whose forward takes (hidden, indices, weights))")
+    n_experts = {name: _expert_count(m) for name, m in experts.items()}
+    uneven = {name: n for name, n in n_experts.items() if n % ranks}
+    if uneven:
+        raise ValueError(f"expert_parallel: experts do not divide evenly over the {ranks} ranks of axis {axis!r}: "
+                         f"{uneven}; use an axis size that divides the number of experts")
+    elsewhere = sorted({repr(p.device_mesh) for p in model.parameters() if isinstance(p, DTensor) and p.device_mesh is not mesh})
+    if elsewhere:
+        raise ValueError(f"expert_parallel: parameters already live on {', '.join(elsewhere)}, not on {mesh}; expert "
+                         f"parallel needs every parameter on the one mesh it is given (composing with `shard` on a "
+                         f"sub-mesh such as mesh['tp'] is not supported yet)")
+    _lay_out_parameters(model, experts, mesh, axis)
+    for name, module in experts.items():
+        _dispatching_forward(module, mesh, axis, name)
+    model.register_forward_pre_hook(_split_batch_hook(mesh, axis), with_kwargs=True)
+    counts = sorted(set(n_experts.values()))
+    record_applied(model, f"ep: {len(experts)} experts modules of {'/'.join(map(str, counts))} experts over "
+                          f"{axis!r} ({'/'.join(str(n // ranks) for n in counts)} per rank), batch split over {axis!r}")
+    return model
+
+
+# ---- finding the experts ---------------------------------------------------------------------------
+def find_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The MoE experts modules of `model`, by structure: every direct parameter stacks the experts on dim 0
+    (one 3-D weight at least, all with the same leading size > 1), and forward takes the router's result,
+    (hidden_states, top_k_index, top_k_weights), as transformers' experts modules do."""
+    found = {}
+    for name, module in model.named_modules():
+        params = [p for p in module._parameters.values() if p is not None]
+        if not params or not any(p.ndim == 3 for p in params):
+            continue
+        leading = params[0].shape[0]
+        if leading < 2 or any(p.ndim < 2 or p.shape[0] != leading for p in params):
+            continue
+        if _takes_routing(type(module).forward):
+            found[name] = module
+    return found
+
+
+def _takes_routing(forward) -> bool:
+    try:
+        sig = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len([p for p in sig.parameters.values() if p.kind in kinds]) >= 4  # self, hidden, index, weights
+
+
+def _expert_count(module: nn.Module) -> int:
+    return next(p for p in module._parameters.values() if p is not None).shape[0]
+
+
+# ---- parameters ------------------------------------------------------------------------------------
+def _rows(mesh: DeviceMesh, axis: str, ndim: int) -> Layout:
+    """Dim 0 split over `axis`, replicated over every other axis."""
+    index = mesh.axis_index(axis)
+    placements = [Shard(0) if a == index else REPLICATE for a in range(mesh.ndim)]
+    return Layout.from_placements(mesh, placements, ndim)
+
+
+def _lay_out_parameters(model: nn.Module, experts: dict, mesh: DeviceMesh, axis: str) -> None:
+    """Experts' parameters: Shard(0) over `axis` (whole experts per rank, replicated elsewhere, also undoing
+    a tensor-parallel split of the experts). Other parameters: replicated DTensors unless `shard` laid
+    them out already, so their gradients are summed over the axis by the op rules."""
+    expert_ids = {id(p) for m in experts.values() for p in m._parameters.values() if p is not None}
+    done: dict = {}
+    for module in model.modules():
+        for pn, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                if id(p) in expert_ids:
+                    done[id(p)] = distribute_parameter(p, _rows(mesh, axis, p.ndim))
+                elif isinstance(p, DTensor):
+                    done[id(p)] = p
+                else:
+                    done[id(p)] = distribute_parameter(p, replicate_layout(mesh, p.ndim))
+            module._parameters[pn] = done[id(p)]
+
+
+# ---- the experts' forward -----------------------------------------------------------------------------
+def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: str) -> None:
+    """Replace the module's forward by: local rows -> dispatch_combine (the module's own forward computing
+    this rank's experts on what it received) -> rows of the output, as a DTensor split like the input."""
+    module.__dict__.pop("forward", None)  # `shard`'s tensor-parallel experts forward, if any
+    original = module.forward
+    sig = inspect.signature(original)
+    n_total = _expert_count(module)
+    n_local = n_total // mesh.size(axis)
+
+    def compute(received: Tensor, local_ids: Tensor) -> Tensor:
+        params = {pn: p for pn, p in module._parameters.items() if p is not None}
+        locals_ = {pn: _local_of(p) for pn, p in params.items()}
+        ones = torch.ones(local_ids.shape + (1,), dtype=received.dtype, device=received.device)
+        saved_n = module.__dict__.get("num_experts")
+        try:
+            module._parameters.update(locals_)
+            if saved_n == n_total:
+                module.num_experts = n_local
+            out = original(received, local_ids.unsqueeze(-1), ones)
+        finally:
+            module._parameters.update(params)
+            if saved_n is not None:
+                module.num_experts = saved_n
+        if out.shape[0] == 0 and torch.is_grad_enabled() and received.requires_grad:
+            # nothing reached this rank's experts: still join both all_to_alls' backward, with zero gradients
+            out = out + sum(t.sum() * 0 for t in (received, *locals_.values()) if t.requires_grad)
+        return out
+
+    def forward(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        hidden_name, index_name, weights_name = list(bound.arguments)[:3]
+        hidden = move(bound.arguments[hidden_name], lambda nd: _rows(mesh, axis, nd), f"hidden states of {where}")
+        index = move(bound.arguments[index_name], lambda nd: _rows(mesh, axis, nd), f"expert indices of {where}")
+        weights = move(bound.arguments[weights_name], lambda nd: _rows(mesh, axis, nd), f"routing weights of {where}")
+        group = mesh.get_group(axis)  # here, not before: on a virtual mesh (no torch.distributed) this raises
+        out = dispatch_combine(_local_rows(hidden), index._local, _local_rows(weights), n_local, group, compute)
+        layout = hidden.dist_layout
+        if torch.is_grad_enabled() and out.requires_grad:
+            return Wrap.apply(out, layout, tuple(hidden.shape))
+        return make_dtensor(out, layout, tuple(hidden.shape))
+
+    module.forward = forward
+
+
+def _local_rows(dt: DTensor) -> Tensor:
+    """This rank's rows, autograd-connected: their gradient is this rank's rows of the gradient."""
+    if torch.is_grad_enabled() and dt.requires_grad:
+        return local_input(dt, dt.dist_layout, dt.dist_layout)
+    return dt._local
+
+
+def _local_of(p: Tensor) -> Tensor:
+    """A parameter's local block of experts, whose gradient lands in the parameter's own layout."""
+    if not isinstance(p, DTensor):
+        return p
+    if torch.is_grad_enabled() and p.requires_grad:
+        return local_input(p, p.dist_layout, p.dist_layout)
+    return p._local
+
+
+# ---- the batch over the axis -------------------------------------------------------------------------
+def _split_batch_hook(mesh: DeviceMesh, axis: str):
+    """Forward pre-hook on the model: whole batch-major tensors are split on dim 0 over `axis`."""
+    ranks = mesh.size(axis)
+
+    def split(name: str, x, batch: int):
+        if not isinstance(x, Tensor) or isinstance(x, DTensor) or name in _NOT_BATCH:
+            return x
+        if x.ndim == 0 or x.shape[0] != batch:
+            return x
+        return move(x, lambda nd: _rows(mesh, axis, nd), f"model input {name!r}")
+
+    def hook(module, args, kwargs):
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+        if not tensors:
+            return None
+        first = tensors[0]   # input_ids or inputs_embeds: its dim 0 is the batch
+        if first.ndim == 0:
+            return None
+        batch = first.shape[0]
+        if not isinstance(first, DTensor) and batch % ranks:
+            raise ValueError(f"expert_parallel: the batch ({batch}) must divide evenly over the {ranks} ranks of "
+                             f"axis {axis!r}; pad it or use a batch that is a multiple of {ranks}")
+        args = tuple(split(str(i), a, batch) for i, a in enumerate(args))
+        kwargs = {k: split(k, v, batch) for k, v in kwargs.items()}
+        return args, kwargs
+
+    return hook

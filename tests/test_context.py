@@ -1,0 +1,197 @@
+"""Context parallelism (`context_parallel`): whole models on 2 and 4 real processes against one plain process."""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import hyper_parallel as hp
+from hyper_parallel.parallel.context.ring import Visibility, block_forward, merge
+
+SEQ, BATCH, VOCAB = 16, 2, 96
+
+
+def _model(name: str, attn: str = "sdpa", kv_heads: int = 4):
+    """Tiny Llama (4 heads) or Qwen3 (8 query heads over 4 key/value heads: GQA); no dropout."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False)
+    config = (LlamaConfig(num_attention_heads=4, num_key_value_heads=kv_heads, **common) if name == "llama"
+              else Qwen3Config(num_attention_heads=8, num_key_value_heads=4, head_dim=8, **common))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
+
+
+# heads split over "tp" (column-parallel q/k/v and gate/up, row-parallel o/down) on the ("cp", "tp") mesh
+TP_PLAN = {f"model.layers.*.{m}.weight": ("tp", "None") for m in
+           ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+TP_PLAN.update({f"model.layers.*.{m}.weight": ("None", "tp") for m in ("self_attn.o_proj", "mlp.down_proj")})
+
+
+def _batch(padded: bool):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, 3] = labels[1, 7] = -100
+    mask = torch.ones_like(ids)
+    if padded:  # right padding of the second row, as tokenizers pad for training
+        mask[1, -5:] = 0
+        ids[1, -5:] = 0
+        labels[1, -5:] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, hp.DTensor) else t
+
+
+def _check_model(mesh, name, method, padded, attn="sdpa", shard_tp=False):
+    model = _model(name, attn)
+    ref = copy.deepcopy(model)
+    if shard_tp:
+        hp.shard(model, hp.ShardingPlan(plan=TP_PLAN), mesh)
+    hp.context_parallel(model, mesh, "cp", method)
+    batch = _batch(padded)
+    out = model(**batch)
+    out.loss.backward()
+    want = ref(**batch)
+    want.loss.backward()
+    where = f"{name}/{method}/padded={padded}/{attn}"
+    assert torch.allclose(_full(out.logits), want.logits, atol=1e-5), where
+    assert torch.allclose(_full(out.loss), want.loss, atol=1e-5), where
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(_full(p.grad), r.grad, atol=1e-5), f"{where}: grad of {n}"
+
+
+def _every_method(rank, world):
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    for name in ("llama", "qwen3"):
+        for method in ("ring", "ulysses", "allgather"):
+            _check_model(mesh, name, method, padded=method != "allgather" or name == "llama")
+    _check_model(mesh, "llama", "ring", padded=False, attn="eager")
+    return True
+
+
+def test_every_method_on_two_ranks(dist2):
+    dist2.run(_every_method)
+
+
+def test_every_method_on_four_ranks(dist4):
+    dist4.run(_every_method)
+
+
+def _with_tensor_parallel_and_errors(rank, world):
+    """cp=2 x tp=2 (heads split over "tp" inside each context rank), then the errors decided up front."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    for name, method in (("qwen3", "ring"), ("llama", "ulysses"), ("qwen3", "allgather")):
+        _check_model(mesh, name, method, padded=True, shard_tp=True)
+    cp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model = hp.context_parallel(_model("llama"), cp_mesh)
+    odd = _batch(False)
+    odd = {k: v[:, :SEQ - 3] for k, v in odd.items()}  # 13 tokens: not a multiple of 2 x 4
+    with pytest.raises(ValueError, match="multiple of 2 x 'cp' size = 8"):
+        model(**odd)
+    # inputs already split on the sequence over "cp" (plain order) are taken as they are
+    batch = _batch(padded=True)
+    ref = _model("llama")
+    want = ref(**batch)
+    split = {k: hp.DTensor.from_local(v.chunk(world, 1)[rank], hp.Layout(cp_mesh)("None", "cp"), shape=v.shape)
+             for k, v in batch.items()}
+    out = hp.context_parallel(copy.deepcopy(_model("llama")), cp_mesh, "cp", "ring")(**split)
+    assert torch.allclose(_full(out.logits), want.logits, atol=1e-5)
+    assert torch.allclose(_full(out.loss), want.loss, atol=1e-5)
+    # Ulysses on 4 key/value-head groups of 2: decided from the config, before any communication
+    with pytest.raises(ValueError, match="num_key_value_heads=2 does not divide by tp .1. x 'cp' .4."):
+        hp.context_parallel(_model("llama", kv_heads=2), cp_mesh, method="ulysses")
+    return True
+
+
+def test_with_tensor_parallel_and_clear_errors(dist4):
+    dist4.run(_with_tensor_parallel_and_errors)
+
+
+def _with_hsdp(rank, world):
+    """cp=2 with hsdp (ZeRO-3) on "dp" of a (2, 2) mesh: two AdamW steps equal one process on the whole batch."""
+    import torch.distributed as dist
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ref = _model("qwen3")
+    model = hp.hsdp(hp.context_parallel(copy.deepcopy(ref), mesh, "cp", "ring"), optimizer_level="level3",
+                    threshold=0, mesh=mesh)
+    dp = mesh.get_local_rank("dp")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = _batch(padded=False)
+    for _ in range(2):
+        loss_ref = ref(**batch).loss
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = model(**{k: v[dp:dp + 1] for k, v in batch.items()}).loss
+        loss.backward()
+        value = _full(loss).detach().clone()
+        dist.all_reduce(value)
+        # both rows count 14 labels, so the dp mean of the per-row losses is the whole batch's loss
+        assert abs(value.item() / world - loss_ref.item()) < 1e-5, (value.item() / world, loss_ref.item())
+        opt.step()
+        opt.zero_grad()
+    sd = model.full_state_dict(rank0_only=False)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(sd[k], v, atol=1e-5, rtol=0), k
+    return True
+
+
+def test_with_hsdp_on_a_third_axis(dist4):
+    dist4.run(_with_hsdp)
+
+
+# ---- the block merge, one process -------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 2), st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.integers(1, 9), st.booleans(),
+       st.booleans(), st.data())
+def test_ring_merge_matches_sdpa(batch, heads, lq, causal, padded, data):
+    """Keys cut into random blocks, each attended alone and folded by the log-sum-exp merge, equal
+    plain sdpa over all keys (causal or not, with a key padding mask), and so do the recomputed
+    block gradients of ring's backward."""
+    from hyper_parallel.parallel.context.ring import block_backward
+    hq, hkv = heads
+    lk = data.draw(st.one_of(st.just(lq), st.integers(1, 12)))  # square blocks often: the fused diagonal
+    torch.manual_seed(data.draw(st.integers(0, 10_000)))
+    q, k, v = (torch.randn(batch, h, n, 8, dtype=torch.float64, requires_grad=True)
+               for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    q_index = torch.arange(lk - lq, lk) if lq <= lk else torch.arange(lq) - (lq - lk)
+    k_index = torch.arange(lk)
+    key_ok = torch.rand(batch, lk) > 0.3 if padded else None
+    if key_ok is not None:
+        key_ok[:, 0] = True
+    vis = Visibility(causal, None, key_ok)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, lk - 1), max_size=3)) if lk > 1 else []))
+    bounds = [0] + cuts + [lk]
+    out = q.new_zeros(batch, hq, lq, 8)
+    lse = q.new_full((batch, hq, lq), float("-inf"))
+    for a, b in zip(bounds, bounds[1:]):
+        o, l = block_forward(q, k[:, :, a:b], v[:, :, a:b], vis.mask(q_index, k_index[a:b], slice(a, b)), 0.3)
+        out, lse = merge(out, lse, o, l)
+    full_mask = vis.mask(q_index, k_index, slice(None))
+    ok_rows = None if full_mask is None else full_mask.any(-1)  # rows that see no key come out 0
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if full_mask is None else full_mask[:, None], scale=0.3, enable_gqa=hq != hkv)
+    if ok_rows is not None:
+        want = torch.where(ok_rows[:, None, :, None], want, torch.zeros_like(want))
+    assert torch.allclose(out, want, atol=1e-10)
+    d_out = torch.randn_like(want)
+    gq, gk, gv = torch.autograd.grad(want, (q, k, v), d_out)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in zip(bounds, bounds[1:]):
+        bq, bk, bv = block_backward(q, k[:, :, a:b], v[:, :, a:b], vis.mask(q_index, k_index[a:b], slice(a, b)),
+                                    0.3, d_out, out, lse)
+        dq += bq
+        dk[:, :, a:b] += bk
+        dv[:, :, a:b] += bv
+    for got, exp in ((dq, gq), (dk, gk), (dv, gv)):
+        assert torch.allclose(got, torch.nan_to_num(exp), atol=1e-9)
+    if causal and lq == lk and not padded:  # a diagonal block through torch's fused kernel, no mask
+        o, l = block_forward(q, k, v, None, 0.3, causal=True)
+        assert torch.allclose(o, want, atol=1e-10) and torch.allclose(l, lse, atol=1e-10)
+        grads = block_backward(q, k, v, None, 0.3, d_out, out, lse, causal=True)
+        for got, exp in zip(grads, (gq, gk, gv)):
+            assert torch.allclose(got, exp, atol=1e-9)
