@@ -6,12 +6,12 @@ from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, in
 from .redistribute import comm_counter
 from .parallel.shard import ShardingPlan, init_parameters, load_sharded, shard, shard_module
 from .parallel.hsdp import hsdp
-from .parallel.pipeline import Pipeline, pipeline
 from .parallel.parallelize import parallelize, summary
 from .parallel.custom_shard import custom_shard
 from .checkpoint.pretrained import from_pretrained, save_pretrained
 from .parallel.expert import expert_parallel
 from .parallel.context import context_parallel
+from .parallel.pipeline import Pipeline, pipeline
 
 _load_builtin_rules()
 
@@ -22,8 +22,8 @@ __all__ = [
 __all__ += ["set_check", "CheckError", "CollectiveError"]
 __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
 __all__ += ["hsdp"]
-__all__ += ["pipeline", "Pipeline"]
 __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "custom_shard"]
 __all__ += ["expert_parallel"]
 __all__ += ["context_parallel"]
+__all__ += ["pipeline", "Pipeline"]
 __version__ = "0.1.0"

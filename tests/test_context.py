@@ -45,12 +45,15 @@ def _full(t):
     return t.full_tensor() if isinstance(t, hp.DTensor) else t
 
 
-def _check_model(mesh, name, method, padded, attn="sdpa", shard_tp=False):
+def _check_model(mesh, name, method, padded, attn="sdpa", shard_tp=False, via_parallelize=False):
     model = _model(name, attn)
     ref = copy.deepcopy(model)
-    if shard_tp:
-        hp.shard(model, hp.ShardingPlan(plan=TP_PLAN), mesh)
-    hp.context_parallel(model, mesh, "cp", method)
+    if via_parallelize:  # shard on "tp" then context_parallel on "cp", in parallelize's order
+        hp.parallelize(model, mesh, tp=hp.ShardingPlan(plan=TP_PLAN), cp=method)
+    else:
+        if shard_tp:
+            hp.shard(model, hp.ShardingPlan(plan=TP_PLAN), mesh)
+        hp.context_parallel(model, mesh, "cp", method)
     batch = _batch(padded)
     out = model(**batch)
     out.loss.backward()
@@ -85,6 +88,7 @@ def _with_tensor_parallel_and_errors(rank, world):
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     for name, method in (("qwen3", "ring"), ("llama", "ulysses"), ("qwen3", "allgather")):
         _check_model(mesh, name, method, padded=True, shard_tp=True)
+    _check_model(mesh, "qwen3", "ring", padded=True, via_parallelize=True)
     cp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model = hp.context_parallel(_model("llama"), cp_mesh)
     odd = _batch(False)

@@ -78,21 +78,26 @@ def _force_to_rank_zero(model):
 
 
 # ---- training on ("ep",) and on ("dp", "ep") with hsdp ------------------------------------------------
-def _train(rank, world, name, mesh_shape, level, skew=False, steps=2):
+def _train(rank, world, name, mesh_shape, level, skew=False, steps=2, via_parallelize=False):
     names = ("dp", "ep") if len(mesh_shape) == 2 else ("ep",)
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     ref = _model(name)
     model = copy.deepcopy(ref)
     if skew:
         _force_to_rank_zero(ref)
-    model = expert_parallel(model, mesh, "ep")
+    if via_parallelize:   # expert_parallel on "ep", then hsdp on "dp"
+        model = hp.parallelize(model, mesh, ep=True, hsdp=dict(optimizer_level=level, threshold=0))
+        assert any(t.startswith("ep: ") for t in model._hp_applied), model._hp_applied
+        level = None
+    else:
+        model = expert_parallel(model, mesh, "ep")
     if skew:
         _force_to_rank_zero(model)
     ep = mesh.size("ep")
     experts = find_experts(model)
     for m in experts.values():          # each rank holds 1/ep of the experts' bytes
         for p in m._parameters.values():
-            assert p._local.numel() * ep == p.numel(), (name, p.shape, p._local.shape)
+            assert via_parallelize or p._local.numel() * ep == p.numel(), (name, p.shape, p._local.shape)
     if level is not None:
         model = hp.hsdp(model, optimizer_level=level, threshold=0)
     dp = mesh.size("dp") if "dp" in names else 1
@@ -137,6 +142,10 @@ def test_train_dp_ep_hsdp_level3(dist4, name):
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_vl_moe"])
 def test_train_ep2_more_models(dist2, name):
     dist2.run(_train, name, (2,), None)
+
+
+def test_train_dp_ep_through_parallelize(dist4):
+    dist4.run(_train, "mixtral", (2, 2), "level3", False, 1, True)
 
 
 def test_train_ep2_all_tokens_to_one_rank(dist2):
