@@ -6,12 +6,27 @@ gradients of every floating input after a backward through a fixed random weight
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 import hyper_parallel as hp
 from hyper_parallel import DTensor
+from hyper_parallel.dispatch import registry
+
+
+@contextlib.contextmanager
+def without_rule(name: str):
+    """The op `name` with its rule taken away inside (to test what users meet for an op without one)."""
+    saved, source = registry.RULES.get(name), registry._SOURCES.get(name)
+    registry.unregister(name)
+    try:
+        yield
+    finally:
+        registry.unregister(name)
+        if saved is not None:
+            registry.RULES[name], registry._SOURCES[name] = saved, source
 
 
 def meshes(world: int) -> list:

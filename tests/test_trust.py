@@ -3,7 +3,6 @@ library run code or open files outside their folder; MissingOpError's advice is 
 hsdp refuses invalid arguments from the arguments alone."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -20,6 +19,8 @@ from hyper_parallel import checkpoint as ckpt
 from hyper_parallel.checkpoint import CheckpointCorruptError, CheckpointError
 from hyper_parallel.dispatch import registry
 from hyper_parallel.dispatch.registry import RuleFileError
+
+from tests.op_check import without_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OP = "tests.test_trust.op"  # a name no real op has: registering it cannot change other tests
@@ -155,18 +156,6 @@ def test_builtin_rules_and_their_options_pass_the_checks():
 
 
 # ---- MissingOpError's advice, followed literally ---------------------------------------------------------
-@contextlib.contextmanager
-def _without_rule(name):
-    saved, source = registry.RULES.get(name), registry._SOURCES.get(name)
-    registry.unregister(name)
-    try:
-        yield
-    finally:
-        registry.unregister(name)
-        if saved is not None:
-            registry.RULES[name], registry._SOURCES[name] = saved, source
-
-
 def _follow_missing_op_advice(rank, world, folder):
     """unfold mixes rows: an elementwise rule would give each rank windows of its own rows only."""
     from tests.test_redistribute import make
@@ -174,7 +163,7 @@ def _follow_missing_op_advice(rank, world, folder):
     L = Layout((world,), ("tp",))
     x = torch.randn(8, 3)
     want = x.unfold(0, 3, 1)
-    with _without_rule(name):
+    with without_rule(name):
         with pytest.raises(hp.MissingOpError) as err:
             distribute_tensor(x, L("tp", "None")).unfold(0, 3, 1)
         msg = str(err.value)
