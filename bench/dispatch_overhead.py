@@ -1,6 +1,7 @@
 """Per-op dispatch overhead: plain torch vs torch.distributed.tensor.DTensor vs hyper_parallel.DTensor.
 
     .venv/bin/python bench/dispatch_overhead.py [--iters 20000]
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 bench/dispatch_overhead.py   (a real 2-rank mesh)
 
 One process, one thread, 64x64 fp32, a 1-rank mesh (gloo), once in grad mode (inputs not requiring grad,
 a forward as written) and once under torch.no_grad() (inference, generate: the C fast path's case).
@@ -8,6 +9,9 @@ a forward as written) and once under torch.no_grad() (inference, generate: the C
 axis, so every call goes through the cached decision (key build, lookup, redistribution check, wrap) as
 a sharded call would.
 Cache miss: first call of a new (op, layout, shape) combination, median over fresh shapes.
+Under torchrun the mesh has every rank: "split" inputs are then really split over 2 ranks (each rank's 64x64
+shard of a 128x64 tensor; a cache hit that needs no communication), and "torch DT split" is torch's DTensor
+with Shard(0) on the same mesh, the same pair. Rank 0 prints.
 """
 from __future__ import annotations
 
@@ -45,22 +49,27 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    from torch.distributed.tensor import DTensor as TorchDTensor, Replicate, init_device_mesh
+        if "WORLD_SIZE" in os.environ:  # torchrun
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", rank=0, world_size=1)
+    world = dist.get_world_size()
+    from torch.distributed.tensor import DTensor as TorchDTensor, Replicate, Shard, init_device_mesh
     import hyper_parallel as hp
     from hyper_parallel.dispatch import STATS, clear_caches
 
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    tmesh = init_device_mesh("cpu", (1,))
+    tmesh = init_device_mesh("cpu", (world,))
     ta, tb = (TorchDTensor.from_local(t, tmesh, [Replicate()]) for t in (a, b))
-    L = hp.Layout((1,), ("tp",))
+    tsa, tsb = (TorchDTensor.from_local(t, tmesh, [Shard(0)]) for t in (a, b))
+    L = hp.Layout((world,), ("tp",))
     ra, rb = (hp.DTensor.from_local(t, L("None", "None")) for t in (a, b))
     sa, sb = (hp.DTensor.from_local(t, L("tp", "None")) for t in (a, b))
 
     ops = {
         "add": lambda x, y: x + y,
         "matmul": lambda x, y: x @ y,
-        "view": lambda x, y: x.view(4096),
+        "view": lambda x, y: x.view(x.shape[0] * 64),
     }
     rows = []
     for grad_mode in (True, False):  # a forward as written / under torch.no_grad() (generate, inference)
@@ -70,7 +79,8 @@ def main() -> None:
                 torch_dt = per_call_us(lambda: op(ta, tb), args.iters // 4)
                 rep = per_call_us(lambda: op(ra, rb), args.iters // 2)
                 dec = per_call_us(lambda: op(sa, sb), args.iters // 2)
-                rows.append(("grad mode" if grad_mode else "no_grad", name, plain, torch_dt, rep, dec))
+                torch_split = per_call_us(lambda: op(tsa, tsb), args.iters // 4) if name != "matmul" else float("nan")
+                rows.append(("grad mode" if grad_mode else "no_grad", name, plain, torch_dt, rep, dec, torch_split))
 
     # cache misses: a new shape each call
     clear_caches()
@@ -83,12 +93,16 @@ def main() -> None:
         misses.append((time.perf_counter() - t0) * 1e6)
     miss = statistics.median(misses)
 
-    print(f"\ntorch {torch.__version__}, 1 thread, 64x64 fp32, per call (us), cache hits")
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return
+    print(f"\ntorch {torch.__version__}, 1 thread, 64x64 fp32 (local), {world}-rank mesh, per call (us), cache hits "
+          f"(split: Shard(0) over the mesh; matmul of two row-split inputs would need communication, so no split row)")
     print(f"{'mode':10} {'op':8} {'plain':>8} {'torch DT':>9} {'ours rep':>9} {'ours dec':>9} "
-          f"{'torchDT+':>9} {'ours+ rep':>9} {'ours+ dec':>9}")
-    for mode, name, plain, tdt, rep, dec in rows:
+          f"{'torchDT+':>9} {'ours+ rep':>9} {'ours+ dec':>9} {'torchDT split+':>15}")
+    for mode, name, plain, tdt, rep, dec, tsplit in rows:
         print(f"{mode:10} {name:8} {plain:8.2f} {tdt:9.2f} {rep:9.2f} {dec:9.2f} {tdt - plain:9.2f} "
-              f"{rep - plain:9.2f} {dec - plain:9.2f}")
+              f"{rep - plain:9.2f} {dec - plain:9.2f} {tsplit - plain:15.2f}")
     print(f"\nadded cost = time minus plain; cache miss (new shape, add): median {miss:.0f} us; stats {STATS}")
     dist.destroy_process_group()
 

@@ -1,13 +1,14 @@
 """Tensor-parallel communication and speed of `hyper_parallel.shard`.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 bench/shard_comm.py [--iters 5] [--skip-timing]
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 bench/shard_comm.py [--iters 5] [--skip-timing] [--train-only]
 
 Part 1 counts the collectives of one forward (and one forward+backward) of a tiny TP=2 Llama with
 `comm_counter()`, per decoder layer (counted between the layer's own pre- and post-hooks), against the
 Megatron minimum: one all-reduce of the hidden states after attention and one after the MLP.
 Part 2 times one forward of a small Llama (hidden 1024, 4 layers, seq 256) at TP=1 on plain tensors,
 at TP=2 with `shard` and at TP=2 with torch's `parallelize_module` (ColwiseParallel/RowwiseParallel
-on the same projections), in the same run, and prints the ratios.
+on the same projections), in the same run, and prints the ratios. Part 3 (`--train-only` runs just it)
+times a training step (forward with labels, backward, AdamW step) of a Llama hidden 512 the same way.
 """
 from __future__ import annotations
 
@@ -155,17 +156,50 @@ def part2(iters):
         say(f"  {label:36} {t * 1e3:8.1f} ms   {t / base:5.2f}x plain   {t / torch_t:5.2f}x torch TP=2")
 
 
+def part3(iters):
+    """Training step (forward with labels, backward, AdamW step) at TP=2: shard(model, "auto") vs torch's
+    parallelize_module with the equivalent plan (issue 19), TP=1 plain for scale."""
+    hidden, layers, seq, vocab = 512, 2, 128, 8000
+    ref = llama(hidden, layers, 8, 4, 1408, vocab)
+    ids = torch.randint(0, vocab, (1, seq))
+    say(f"\n== training step time, Llama hidden {hidden}, {layers} layers (8 heads, 4 KV heads, MLP 1408), seq {seq}, "
+        f"vocab {vocab}, AdamW, {torch.get_num_threads()} thread(s) per rank, median of {iters} interleaved rounds ==")
+    variants = {"TP=1 plain": copy.deepcopy(ref),
+                "TP=2 hyper_parallel (plan='auto')": hp.shard(copy.deepcopy(ref), "auto"),
+                "TP=2 torch parallelize_module": torch_tp(copy.deepcopy(ref))}
+    steps = {}
+    for label, model in variants.items():
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model=model, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            model(ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+        steps[label] = step
+    results = timed_interleaved(steps, iters)
+    base = results["TP=1 plain"]
+    torch_t = results["TP=2 torch parallelize_module"]
+    for label, t in results.items():
+        say(f"  {label:36} {t * 1e3:8.1f} ms   {t / base:5.2f}x plain   {t / torch_t:5.2f}x torch TP=2")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--train-only", action="store_true", help="only the TP=2 training-step timing (part 3)")
     args = ap.parse_args()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     torch.manual_seed(0)
-    part1()
-    if not args.skip_timing:
-        part2(args.iters)
+    if args.train_only:
+        part3(args.iters)
+    else:
+        part1()
+        if not args.skip_timing:
+            part2(args.iters)
+            part3(args.iters)
     dist.destroy_process_group()
 
 

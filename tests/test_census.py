@@ -190,3 +190,78 @@ def test_ops_doc_is_generated_from_the_yaml():
     from hyper_parallel.tools.ops_doc import render
     doc = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
     assert doc.read_text() == render(), "docs/ops.md is stale: python -m hyper_parallel.tools.ops_doc > docs/ops.md"
+
+
+# ---- any transformers model type, built tiny on the spot ----------------------------------------------------
+def test_type_census_sample_generates_report(tmp_path, capsys):
+    """The generator of docs/census.md still runs: a sample of types, JSON and markdown."""
+    out, md = tmp_path / "types.json", tmp_path / "census.md"
+    rc = main(["census", "--model-type", "llama", "--model-type", "bert", "--model-type", "t5", "--jobs", "2",
+               "--json", str(out), "--markdown", str(md)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "[3/3]" in text and "3 types, 3 run plain, 3 ok" in text
+    data = json.loads(out.read_text())
+    assert data["summary"]["ok"] == 3 and data["summary"]["plain_ok"] == 3
+    heads = {t: v["head"] for t, v in data["types"].items()}
+    assert heads == {"llama": "causal-lm", "bert": "masked-lm", "t5": "seq2seq-lm"}
+    for t, v in data["types"].items():
+        assert v["built"] and v["plain_ok"] and v["equal"] is True and v["missing"] == {}, (t, v["why"])
+        assert set(v["runs"]) == {"generate", "train"} and v["ops"] and v["seconds"] > 0
+    page = md.read_text()
+    assert page.startswith("# Census of transformers model types")
+    assert "| llama | causal-lm | ok |" in page and "--model-type llama" in page
+
+
+def test_tiny_config_is_small_and_consistent():
+    from hyper_parallel.tools.auto_models import all_model_types, tiny_config
+    types = all_model_types()
+    assert len(types) > 200 and {"llama", "bert", "t5", "qwen2_vl", "qwen3_next"} <= set(types)
+    cfg = tiny_config("qwen2_vl")
+    text = cfg.text_config
+    assert text.num_hidden_layers == 2 and text.hidden_size <= 64 and text.vocab_size <= 256
+    assert text.num_attention_heads % text.num_key_value_heads == 0
+    head_dim = text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+    assert cfg.vision_config.depth == 2 and cfg.image_token_id < text.vocab_size
+    hybrid = tiny_config("qwen3_next")
+    assert len(hybrid.layer_types) == 2 and len(set(hybrid.layer_types)) == 2  # one linear, one full attention
+
+
+def test_model_type_inputs_feed_every_modality():
+    from hyper_parallel.tools.auto_models import build_model_type, fed_modalities
+    case = build_model_type("qwen2_vl")
+    assert fed_modalities(case.inputs) == ["text", "image", "video"]
+    cfg = case.model.config
+    grid = case.inputs["image_grid_thw"]
+    merged = int(grid[0].prod()) // cfg.vision_config.spatial_merge_size ** 2
+    assert int((case.inputs["input_ids"][0] == cfg.image_token_id).sum()) == merged
+    with torch.no_grad():
+        case.model(**case.inputs)  # the placeholders match the features the vision tower makes
+
+
+def test_model_path_feeds_vision(tmp_path):
+    """census --model-path on a saved tiny Qwen3-VL runs its vision tower (conv3d and the rest)."""
+    build_model("qwen3_vl", seed=0).model.save_pretrained(tmp_path / "a-rather-long-checkpoint-folder-name")
+    path = str(tmp_path / "a-rather-long-checkpoint-folder-name")
+    report = census.run_census([], "generate", model_paths=[path], max_new_tokens=2)
+    r = report.runs[0]
+    assert r.error is None and r.equal is True, r.error or r.detail
+    assert "torch.nn.functional.conv3d" in r.ops and r.missing == {}
+    lines = report.table().splitlines()
+    assert len({line.index(" generate ") for line in lines if " generate " in line} |
+               {lines[0].index(" mode ")}) == 1  # the long path keeps the columns aligned
+
+
+def test_model_path_missing_is_one_clear_error(tmp_path, capsys):
+    rc = main(["census", "--model-path", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("no such local checkpoint") == 1 and "nowhere" in err
+
+
+def test_type_census_tensor_parallel():
+    from hyper_parallel.tools.census_types import run_type_census
+    report = run_type_census(["llama", "bert"], "generate", tp=2)
+    llama, bert = report.results
+    assert llama.status == "ok", llama.why
+    assert bert.status == "no tp plan"

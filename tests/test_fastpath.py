@@ -269,3 +269,155 @@ def test_pure_python_dispatcher_equals_plain_on_models():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
+# ---- the grad-mode twin, the wrapper-metadata passthrough and the decision path's cache hit (issue 19) -----------
+def split(t: torch.Tensor) -> DTensor:
+    """Split over dim 0 on the 1-rank axis: not replicated, so every call takes the decision path."""
+    return hp.DTensor.from_local(t, L("tp", *["None"] * (t.ndim - 1)))
+
+
+@pytest.fixture
+def python_fallbacks(monkeypatch):
+    """The calls that reached the Python dispatcher (through the C twin's hand-offs) while the test ran."""
+    seen = []
+    for name in ("_after_no_grad_path", "_dispatch"):
+        orig = getattr(dispatcher, name)
+
+        def spy(func, *rest, _orig=orig, _name=name):
+            seen.append((_name, getattr(func, "__name__", func)))
+            return _orig(func, *rest)
+        monkeypatch.setattr(dispatcher, name, spy)
+    return seen
+
+
+def test_the_c_twins_cover_grad_mode_metadata_and_decision_hits(python_fallbacks):
+    """Replicated ops in grad mode with parameters, the optimizer's metadata reads, and split-layout cache hits
+    (grad mode and no_grad) never reach the Python dispatcher once warm: the C twins answer them."""
+    w = torch.nn.Parameter(rep(torch.randn(4, 4)))
+    x, s = rep(torch.randn(3, 4)), split(torch.randn(4, 4))
+    ops = [lambda: (x @ w).relu().sum(), lambda: (s + s).view(16), lambda: w.grad, lambda: torch.is_complex(w)]
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            for op in ops:
+                op()  # warm: resolves the rule, fills the decision cache
+    python_fallbacks.clear()
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            for op in ops:
+                op()
+    assert python_fallbacks == []
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_over_dtensor_parameters_equals_plain(path, foreach):
+    """AdamW's per-tensor loop and its foreach path (what CUDA picks for DTensor parameters, as for plain ones)."""
+    from torch.optim.optimizer import _foreach_supported_types
+    assert DTensor in _foreach_supported_types
+    g = torch.Generator().manual_seed(3)
+    values = [torch.randn(4, 6, generator=g), torch.randn(6, generator=g)]
+    grads = [torch.randn(4, 6, generator=g), torch.randn(6, generator=g)]
+    results = []
+    for make in (lambda t: t, rep, split):
+        params = [torch.nn.Parameter(make(v.clone())) for v in values]
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, foreach=foreach)
+        for _ in range(3):
+            for p, gr in zip(params, grads):
+                p.grad = make(gr.clone())
+            opt.step()
+        results.append([p.full_tensor() if type(p) is DTensor else p.detach() for p in params])
+    for got in results[1:]:
+        for w, v in zip(results[0], got):
+            assert torch.allclose(v, w, atol=1e-6)
+
+
+def _split_cases():
+    return {
+        "add": lambda a, b: a + b,
+        "view": lambda a, b: a.view(-1),
+        "mul by a scalar": lambda a, b: a * 0.5,
+        "transpose then matmul": lambda a, b: a @ b.transpose(0, 1),
+        "sum of dim 1": lambda a, b: (a * b).sum(1),
+        "reshape": lambda a, b: a.reshape(2, 2, 6),
+        "max with indices": lambda a, b: a.max(dim=1),
+    }
+
+
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_split_ops_match_plain(path, grad_mode):
+    """The decision path (C twin and Python) on split inputs: values, layouts and, in grad mode, gradients."""
+    torch.manual_seed(1)
+    x0, y0 = torch.randn(4, 6), torch.randn(4, 6)
+    for name, fn in _split_cases().items():
+        for _ in range(2):  # the second call is a cache hit
+            xp, yp = x0.clone().requires_grad_(grad_mode), y0.clone().requires_grad_(grad_mode)
+            x, y = torch.nn.Parameter(split(x0.clone()), grad_mode), torch.nn.Parameter(split(y0.clone()), grad_mode)
+            with torch.set_grad_enabled(grad_mode):
+                want, got = fn(xp, yp), fn(x, y)
+            want, got = (want, got) if not isinstance(want, torch.Tensor) else ((want,), (got,))
+            for w, g in zip(want, got):
+                assert type(g) is DTensor and g.shape == w.shape, name
+                assert torch.equal(g.full_tensor(), w), name
+            if grad_mode and want[0].is_floating_point():
+                want[0].sum().backward()
+                got[0].sum().backward()
+                for p, q in ((xp, x), (yp, y)):
+                    assert (p.grad is None) == (q.grad is None), name
+                    if p.grad is not None:
+                        assert type(q.grad) is DTensor and q.grad.dist_layout is q.dist_layout, name
+                        assert torch.equal(q.grad.full_tensor(), p.grad), name
+
+
+def _chain(seed: int, ops: list, layouts: list, backend):
+    """A chain of ops on two parameters laid out as `layouts`, its loss backpropagated: values and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    a0, b0 = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    make = {"plain": lambda t: t, "rep": rep, "split": split}
+    a = torch.nn.Parameter(make[backend if backend == "plain" else layouts[0]](a0))
+    b = torch.nn.Parameter(make[backend if backend == "plain" else layouts[1]](b0))
+    h = a
+    for op in ops:
+        h = {"add": lambda h: h + b, "mul": lambda h: h * b, "tanh": torch.tanh, "scale": lambda h: h * 0.5,
+             "matmul": lambda h: h @ b, "t": lambda h: h.t().contiguous(), "view": lambda h: h.view(16).view(4, 4),
+             "sub_const": lambda h: h - 1.0, "silu": F.silu}[op](h)
+    loss = h.pow(2).sum() + (b * b).sum()
+    loss.backward()
+    full = (lambda t: t.full_tensor()) if backend != "plain" else (lambda t: t.detach())
+    return [full(h), full(a.grad), full(b.grad)]
+
+
+try:
+    from hypothesis import given, settings, strategies as st
+except ImportError:  # pragma: no cover - hypothesis is in requirements-dev.txt
+    given = None
+
+if given is not None:
+    _OPS = st.lists(st.sampled_from(["add", "mul", "tanh", "scale", "matmul", "t", "view", "sub_const", "silu"]),
+                    min_size=1, max_size=6)
+    _LAYOUTS = st.lists(st.sampled_from(["rep", "split"]), min_size=2, max_size=2)
+
+    @settings(max_examples=20, deadline=None)
+    @given(ops=_OPS, layouts=_LAYOUTS, seed=st.integers(0, 1000))
+    def test_random_chains_equal_through_the_c_twins_and_python(ops, layouts, seed):
+        """Property: any chain of ops on replicated and split parameters, with backward, gives the same values
+        and gradients through the C twins as through the Python dispatcher (exactly), and as plain torch."""
+        want = _chain(seed, ops, layouts, "plain")
+        got = {}
+        saved = DTensor.__dict__["__torch_function__"]
+        try:
+            for name, impl in (("c", dispatch_pkg._fastpath.torch_function), ("python", dispatcher.torch_function)):
+                DTensor.__torch_function__ = staticmethod(impl)
+                got[name] = _chain(seed, ops, layouts, name)
+        finally:
+            DTensor.__torch_function__ = saved
+        for c, p, w in zip(got["c"], got["python"], want):
+            assert torch.equal(c, p)
+            assert torch.allclose(c, w, atol=1e-5)
+
+
+def test_metadata_passthrough_with_kwargs_none(path):
+    """__torch_function__(func, types, args, None), as check mode's wrapper calls it: the wrapper's own value."""
+    w = torch.nn.Parameter(rep(torch.randn(3)))
+    w.grad = rep(torch.ones(3))
+    got = DTensor.__torch_function__(torch.Tensor.grad.__get__, (DTensor,), (w,), None)
+    assert got is w.grad and DTensor.__torch_function__(torch.is_complex, (DTensor,), (w,), None) is False

@@ -23,6 +23,23 @@ static PyObject *strided;             /* torch.strided */
 static PyObject *wrap_other;          /* dispatcher._wrap_replicated(out, mesh, False) */
 static PyObject *replicate_layout;    /* layout.replicate_layout(mesh, ndim) */
 static PyObject *s_view_of, *s_shape, *s_replicated_layouts, *s_dtype, *s_device;
+/* The grad-mode twin (configure_grad): */
+static PyObject *passthrough;         /* dispatcher._PASSTHROUGH: the wrapper's own metadata, run on the wrapper */
+static PyObject *disabled_impl;       /* torch._C._disabled_torch_function_impl(func, types, args, kwargs) */
+static PyObject *local_input_fn;      /* autograd.local_input(t, layout, layout): an input that requires grad */
+static PyObject *wrap_local_fn;       /* autograd.wrap_local(out, layout, shape): a result that requires grad */
+static PyObject *note_view_fn;        /* dispatcher._note_view(res, args, loc0, out, func, largs, lkwargs) */
+static PyObject *grad_declined;       /* dispatcher.torch_function_after_c_grad: where declined grad calls go */
+static PyObject *grad_entry;          /* this module's _under_disabled_torch_function, run inside disabled_impl */
+static PyObject *not_handled_obj;     /* dispatcher._NOT_HANDLED, what _replicated_local_grad returns to decline */
+static PyObject *empty_dict;          /* dispatcher._NO_KWARGS */
+static PyObject *s_requires_grad, *s_base;
+/* The decision path's cache hit (configure_decision): */
+static PyObject *rule_of;             /* dispatcher._RULE_OF: func -> (name, rule, inplace) */
+static PyObject *decisions;           /* dispatcher._CACHE: call key -> Decision */
+static PyObject *recorders;           /* registry._RECORDERS: while any records, every call takes the Python path */
+static PyObject *wrap_outs_fn;        /* dispatcher._wrap_outs(out, layouts, shapes, grad) */
+static PyObject *s_float_args_matter, *s_in_layouts, *s_grad_layouts, *s_out_layouts, *s_out_shapes, *s_local_fn;
 
 /* Returned (never dereferenced, never exposed) when the call must take the Python path. */
 static char not_handled_mark;
@@ -129,22 +146,64 @@ static PyObject *local_arg(PyObject *a, PyObject **mesh) {
     return a;
 }
 
-static PyObject *wrap(PyObject *out, PyObject *mesh) {
-    PyObject *shape = PyObject_GetAttr(out, s_shape);
-    if (shape == NULL) return NULL;
-    PyObject *res = NULL, *layout = NULL, *dtype = NULL, *device = NULL;
-    PyObject *ndim = PyLong_FromSsize_t(PyTuple_GET_SIZE(shape));
+/* The replicated layout of `ndim` dims on `mesh`: mesh.replicated_layouts.get(ndim) or replicate_layout(...). */
+static PyObject *replicated_layout(PyObject *mesh, Py_ssize_t n) {  /* new reference */
+    PyObject *layout = NULL, *ndim = PyLong_FromSsize_t(n);
     PyObject *cache = PyObject_GetAttr(mesh, s_replicated_layouts);
     if (ndim == NULL || cache == NULL) goto done;
     layout = PyDict_GetItemWithError(cache, ndim);
     if (layout != NULL) {
         Py_INCREF(layout);
-    } else if (PyErr_Occurred()) {
-        goto done;
-    } else {
+    } else if (!PyErr_Occurred()) {
         layout = PyObject_CallFunctionObjArgs(replicate_layout, mesh, ndim, NULL);
-        if (layout == NULL) goto done;
     }
+done:
+    Py_XDECREF(cache);
+    Py_XDECREF(ndim);
+    return layout;
+}
+
+/* The keyword arguments with DTensors replaced by their locals in *local_kwargs (this call's own copy, made on
+   first use; left NULL when there are none): 0; 1 when the call is not covered (a split input, another mesh, a
+   list or tuple value, more inputs that require grad than `needs` holds); -1 on error. With `needs` (grad mode),
+   the DTensors whose wrapper requires grad are noted there. */
+typedef struct Need Need;
+static int note_need(Need *needs, int *n, Py_ssize_t i, Py_ssize_t j, PyObject *key);
+static int wrapper_requires_grad(PyObject *dt);
+
+static int local_kwargs_of(PyObject *kwargs, PyObject **mesh, PyObject **local_kwargs, Need *needs, int *n_needs) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(kwargs, &pos, &k, &v)) {
+        if (Py_TYPE(v) == dtensor_type) {
+            PyObject *loc = unwrap(v, mesh);
+            if (loc == NULL) return -1;
+            if (loc == NOT_HANDLED) return 1;
+            if (*local_kwargs == NULL && (*local_kwargs = PyDict_Copy(kwargs)) == NULL) {
+                Py_DECREF(loc);
+                return -1;
+            }
+            int failed = PyDict_SetItem(*local_kwargs, k, loc) < 0;
+            Py_DECREF(loc);
+            if (failed) return -1;
+            if (needs != NULL) {
+                int rg = wrapper_requires_grad(v);
+                if (rg < 0) return -1;
+                if (rg && !note_need(needs, n_needs, -1, -1, k)) return 1;
+            }
+        } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *wrap(PyObject *out, PyObject *mesh) {
+    PyObject *shape = PyObject_GetAttr(out, s_shape);
+    if (shape == NULL) return NULL;
+    PyObject *res = NULL, *dtype = NULL, *device = NULL;
+    PyObject *layout = replicated_layout(mesh, PyTuple_GET_SIZE(shape));
+    if (layout == NULL) goto done;
     dtype = PyObject_GetAttr(out, s_dtype);
     device = PyObject_GetAttr(out, s_device);
     if (dtype == NULL || device == NULL) goto done;
@@ -161,8 +220,6 @@ done:
     Py_XDECREF(device);
     Py_XDECREF(dtype);
     Py_XDECREF(layout);
-    Py_XDECREF(cache);
-    Py_XDECREF(ndim);
     Py_DECREF(shape);
     return res;
 }
@@ -182,15 +239,10 @@ static int write_is_lost(PyObject *target) {
     return lost;
 }
 
-/* dispatcher._replicated_local(func, args, kwargs, grad=False, inplace): a new reference, NOT_HANDLED, or NULL. */
-static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwargs) {
-    PyObject *inplace = PyDict_GetItemWithError(fast_funcs, func);  /* borrowed: Py_True for in-place ops */
-    if (inplace == NULL) { PyErr_Clear(); return NOT_HANDLED; }  /* unhashable funcs are simply not fast */
-    PyObject *g = PyObject_CallNoArgs(grad_enabled);
-    if (g == NULL) return NULL;
-    int grad = (g == Py_True);
-    Py_DECREF(g);
-    if (grad || !PyTuple_Check(args)) return NOT_HANDLED;
+/* dispatcher._replicated_local(func, args, kwargs, grad=False, inplace) (`inplace` borrowed from fast_funcs):
+   a new reference, NOT_HANDLED, or NULL. */
+static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwargs, PyObject *inplace) {
+    if (!PyTuple_Check(args)) return NOT_HANDLED;
     if (kwargs == Py_None) kwargs = NULL;
     if (kwargs != NULL && !PyDict_Check(kwargs)) return NOT_HANDLED;
     Py_ssize_t n = PyTuple_GET_SIZE(args);
@@ -203,24 +255,9 @@ static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwar
         PyTuple_SET_ITEM(locs, i, loc);
     }
     if (kwargs != NULL) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(kwargs, &pos, &k, &v)) {
-            if (Py_TYPE(v) == dtensor_type) {
-                PyObject *loc = unwrap(v, &mesh);
-                if (loc == NULL || loc == NOT_HANDLED) { res = loc; goto done; }
-                if (local_kwargs == NULL && (local_kwargs = PyDict_Copy(kwargs)) == NULL) {
-                    Py_DECREF(loc);
-                    res = NULL;
-                    goto done;
-                }
-                int failed = PyDict_SetItem(local_kwargs, k, loc) < 0;
-                Py_DECREF(loc);
-                if (failed) { res = NULL; goto done; }
-            } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
-                goto done;
-            }
-        }
+        int r = local_kwargs_of(kwargs, &mesh, &local_kwargs, NULL, NULL);
+        if (r < 0) { res = NULL; goto done; }
+        if (r) goto done;
     }
     if (mesh == NULL || n == 0) goto done;
     if (inplace == Py_True) {
@@ -247,6 +284,398 @@ done:
     return res;
 }
 
+
+/* ---- grad mode: dispatcher._replicated_local(func, args, kwargs, grad=True, inplace=False) ----------------
+   Runs inside torch._C._disabled_torch_function_impl (as the Python twin runs inside
+   DisableTorchFunctionSubclass), so reading a wrapper's `requires_grad` is torch's plain getter. Inputs whose
+   wrapper requires grad are noted while scanning and only go through autograd.local_input once the call is
+   known to be covered, so a declined call has run nothing. */
+#define MAX_NEEDS 16
+
+struct Need {
+    Py_ssize_t i, j;  /* positional argument, index in its list/tuple (-1: the argument itself) */
+    PyObject *key;    /* or a keyword argument (borrowed), i = -1 */
+};
+
+/* The DTensor `dt` requires grad at its wrapper: 1, 0, or -1 on error. */
+static int wrapper_requires_grad(PyObject *dt) {
+    PyObject *rg = PyObject_GetAttr(dt, s_requires_grad);
+    if (rg == NULL) return -1;
+    int yes = (rg == Py_True);
+    Py_DECREF(rg);
+    return yes;
+}
+
+/* autograd.local_input(dt, layout, layout) for an input of the replicated path, given its local `loc`
+   (borrowed): the local itself when it carries history (the identity case), else an Unwrap node. New ref. */
+static PyObject *grad_local(PyObject *dt, PyObject *loc) {
+    PyObject *rg = PyObject_GetAttr(loc, s_requires_grad);
+    if (rg == NULL) return NULL;
+    int identity = (rg == Py_True);
+    Py_DECREF(rg);
+    if (identity) {
+        Py_INCREF(loc);
+        return loc;
+    }
+    PyObject *layout = get_slot(dt, &dt_layout);
+    if (layout == NULL) return NULL;
+    PyObject *res = PyObject_CallFunctionObjArgs(local_input_fn, dt, layout, layout, NULL);
+    Py_DECREF(layout);
+    return res;
+}
+
+static int note_need(Need *needs, int *n, Py_ssize_t i, Py_ssize_t j, PyObject *key) {
+    if (*n == MAX_NEEDS) return 0;  /* more inputs that require grad than noted here: the Python twin */
+    needs[*n].i = i;
+    needs[*n].j = j;
+    needs[*n].key = key;
+    (*n)++;
+    return 1;
+}
+
+static PyObject *replicated_local_grad(PyObject *func, PyObject *args, PyObject *kwargs) {
+    if (!PyTuple_Check(args)) return NOT_HANDLED;
+    if (kwargs == Py_None) kwargs = NULL;
+    if (kwargs != NULL && !PyDict_Check(kwargs)) return NOT_HANDLED;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n == 0) return NOT_HANDLED;
+    Need needs[MAX_NEEDS];
+    int n_needs = 0;
+    PyObject *mesh = NULL, *local_kwargs = NULL, *out = NULL, *res = NOT_HANDLED, *layout = NULL, *shape = NULL;
+    PyObject *locs = PyTuple_New(n);
+    if (locs == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        PyObject *loc = local_arg(a, &mesh);
+        if (loc == NULL || loc == NOT_HANDLED) { res = loc; goto done; }
+        PyTuple_SET_ITEM(locs, i, loc);
+        if (Py_TYPE(a) == dtensor_type) {
+            int rg = wrapper_requires_grad(a);
+            if (rg < 0) { res = NULL; goto done; }
+            if (rg && !note_need(needs, &n_needs, i, -1, NULL)) goto done;
+        } else if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
+            Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+            for (Py_ssize_t j = 0; j < m; j++) {
+                PyObject *b = PySequence_Fast_GET_ITEM(a, j);
+                if (Py_TYPE(b) != dtensor_type) continue;
+                int rg = wrapper_requires_grad(b);
+                if (rg < 0) { res = NULL; goto done; }
+                if (rg && !note_need(needs, &n_needs, i, j, NULL)) goto done;
+            }
+        }
+    }
+    if (kwargs != NULL) {
+        int r = local_kwargs_of(kwargs, &mesh, &local_kwargs, needs, &n_needs);
+        if (r < 0) { res = NULL; goto done; }
+        if (r) goto done;
+    }
+    if (mesh == NULL) goto done;
+    /* Covered: from here on the call runs. Inputs that require grad enter through local_input. */
+    for (int k = 0; k < n_needs; k++) {
+        Need *nd = &needs[k];
+        if (nd->key != NULL) {
+            PyObject *dt = PyDict_GetItemWithError(kwargs, nd->key);  /* borrowed */
+            PyObject *loc = dt == NULL ? NULL : PyDict_GetItemWithError(local_kwargs, nd->key);
+            if (loc == NULL) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "kwarg"); res = NULL; goto done; }
+            PyObject *g = grad_local(dt, loc);
+            if (g == NULL) { res = NULL; goto done; }
+            int failed = PyDict_SetItem(local_kwargs, nd->key, g) < 0;
+            Py_DECREF(g);
+            if (failed) { res = NULL; goto done; }
+        } else if (nd->j < 0) {
+            PyObject *g = grad_local(PyTuple_GET_ITEM(args, nd->i), PyTuple_GET_ITEM(locs, nd->i));
+            if (g == NULL) { res = NULL; goto done; }
+            PyObject *old = PyTuple_GET_ITEM(locs, nd->i);
+            PyTuple_SET_ITEM(locs, nd->i, g);
+            Py_DECREF(old);
+        } else {  /* the list/tuple in locs is this call's own */
+            PyObject *seq = PyTuple_GET_ITEM(locs, nd->i);
+            PyObject *g = grad_local(PySequence_Fast_GET_ITEM(PyTuple_GET_ITEM(args, nd->i), nd->j),
+                                     PySequence_Fast_GET_ITEM(seq, nd->j));
+            if (g == NULL) { res = NULL; goto done; }
+            PyObject **items = PySequence_Fast_ITEMS(seq);
+            PyObject *old = items[nd->j];
+            items[nd->j] = g;
+            Py_DECREF(old);
+        }
+    }
+    PyObject *call_kwargs = local_kwargs != NULL ? local_kwargs : kwargs;
+    out = PyObject_Call(func, locs, call_kwargs);
+    if (out == NULL) { res = NULL; goto done; }
+    PyObject *a0 = PyTuple_GET_ITEM(args, 0);
+    if (Py_TYPE(out) != tensor_type) {
+        res = PyObject_CallFunctionObjArgs(wrap_other, out, mesh, Py_True, NULL);
+        goto done;
+    }
+    if (Py_TYPE(a0) == dtensor_type && out == PyTuple_GET_ITEM(locs, 0)) {
+        res = a0;  /* `x.to(x.dtype)`, `x.contiguous()`: the same tensor, as torch returns it */
+        Py_INCREF(res);
+        goto done;
+    }
+    int rg = wrapper_requires_grad(out);
+    if (rg < 0) { res = NULL; goto done; }
+    if (rg) {
+        shape = PyObject_GetAttr(out, s_shape);
+        if (shape == NULL) { res = NULL; goto done; }
+        layout = replicated_layout(mesh, PyTuple_GET_SIZE(shape));
+        if (layout == NULL) { res = NULL; goto done; }
+        res = PyObject_CallFunctionObjArgs(wrap_local_fn, out, layout, shape, NULL);
+    } else {
+        res = wrap(out, mesh);
+    }
+    if (res == NULL || Py_TYPE(a0) != dtensor_type) goto done;
+    PyObject *base = PyObject_GetAttr(out, s_base);
+    if (base == NULL) { Py_CLEAR(res); goto done; }
+    int is_view = (base != Py_None);
+    Py_DECREF(base);
+    if (is_view) {  /* dispatcher._note_view: remember what the view was taken of, for in-place writes */
+        PyObject *noted = PyObject_CallFunctionObjArgs(note_view_fn, res, args, PyTuple_GET_ITEM(locs, 0), out, func,
+                                                       locs, call_kwargs != NULL ? call_kwargs : empty_dict, NULL);
+        if (noted == NULL) Py_CLEAR(res); else Py_DECREF(noted);
+    }
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(layout);
+    Py_XDECREF(out);
+    Py_XDECREF(local_kwargs);
+    Py_DECREF(locs);
+    Py_XDECREF(mesh);
+    return res;
+}
+
+
+/* ---- the decision path's cache hit: dispatcher._dispatch for a flat call (tensors only among positional
+   arguments, no keyword arguments) whose key is in the decision cache ----------------------------------------
+   Same key as _dispatch builds, same Decision replayed when it moves no input (every input already in its target
+   layout, used as it is; in grad mode an input that requires grad through local_input). A plain tensor among the
+   arguments, a list, a slice, recording, a replicated call, a cache miss or a decision that redistributes an
+   input return NOT_HANDLED before anything has run. Runs inside _disabled_torch_function_impl, as _dispatch runs inside
+   DisableTorchFunctionSubclass. */
+static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, int grad_mode) {
+    if (rule_of == NULL || !PyTuple_Check(args)) return NOT_HANDLED;
+    if (kwargs != NULL && kwargs != Py_None && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) != 0))
+        return NOT_HANDLED;
+    if (PyList_GET_SIZE(recorders) != 0) return NOT_HANDLED;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n == 0) return NOT_HANDLED;
+    PyObject *entry = PyDict_GetItemWithError(rule_of, func);  /* borrowed */
+    if (entry == NULL) { PyErr_Clear(); return NOT_HANDLED; }
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 || PyTuple_GET_ITEM(entry, 1) == Py_None)
+        return NOT_HANDLED;
+    PyObject *rule = PyTuple_GET_ITEM(entry, 1);
+    PyObject *mesh = NULL, *parts = NULL, *key = NULL, *largs = NULL, *out = NULL, *res = NOT_HANDLED;
+    PyObject *in_layouts = NULL, *grad_layouts = NULL, *out_layouts = NULL, *out_shapes = NULL, *local_fn = NULL;
+    int floats = -1, replicated = 1, grad = 0;
+    parts = PyTuple_New(n);
+    if (parts == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i), *part;
+        if (Py_TYPE(a) == dtensor_type) {
+            PyObject *layout = get_slot(a, &dt_layout);
+            if (layout == NULL) { res = NULL; goto done; }
+            PyObject *m = get_slot(layout, &layout_mesh), *rep = get_slot(layout, &layout_is_replicate);
+            if (m == NULL || rep == NULL) { Py_XDECREF(m); Py_XDECREF(rep); Py_DECREF(layout); res = NULL; goto done; }
+            if (rep != Py_True) replicated = 0;
+            Py_DECREF(rep);
+            if (mesh == NULL) {
+                mesh = m;
+            } else {
+                int same = (m == mesh);
+                Py_DECREF(m);
+                if (!same) { Py_DECREF(layout); goto done; }  /* different meshes: _dispatch raises */
+            }
+            PyObject *shape = get_slot(a, &dt_shape), *loc = get_slot(a, &dt_local), *dtype = NULL;
+            if (loc != NULL) dtype = PyObject_GetAttr(loc, s_dtype);
+            part = (shape != NULL && dtype != NULL) ? PyTuple_Pack(3, layout, shape, dtype) : NULL;
+            Py_DECREF(layout);
+            Py_XDECREF(shape);
+            Py_XDECREF(loc);
+            Py_XDECREF(dtype);
+            if (part == NULL) { res = NULL; goto done; }
+            if (grad_mode && !grad) {
+                int rg = wrapper_requires_grad(a);
+                if (rg < 0) { Py_DECREF(part); res = NULL; goto done; }
+                grad = rg;
+            }
+        } else if (PyObject_TypeCheck(a, tensor_type) || PyList_CheckExact(a) || PyTuple_CheckExact(a) ||
+                   PySlice_Check(a)) {
+            goto done;  /* a plain tensor, a nested structure, a slice: _dispatch's other branches */
+        } else if (PyFloat_CheckExact(a)) {
+            if (floats < 0) {
+                PyObject *fl = PyObject_GetAttr(rule, s_float_args_matter);
+                if (fl == NULL) { res = NULL; goto done; }
+                floats = PyObject_IsTrue(fl);
+                Py_DECREF(fl);
+                if (floats < 0) { res = NULL; goto done; }
+            }
+            part = floats ? a : (PyObject *)&PyFloat_Type;
+            Py_INCREF(part);
+        } else {
+            part = a;
+            Py_INCREF(part);
+        }
+        PyTuple_SET_ITEM(parts, i, part);
+    }
+    if (mesh == NULL || replicated) goto done;  /* no DTensor, or every input replicated: the replicated path */
+    key = PyTuple_Pack(3, func, parts, Py_None);
+    if (key == NULL) { res = NULL; goto done; }
+    PyObject *dec = PyDict_GetItemWithError(decisions, key);  /* borrowed, kept alive by the cache */
+    if (dec == NULL) {
+        if (PyErr_Occurred()) PyErr_Clear();  /* an unhashable argument: _dispatch decides every time */
+        goto done;
+    }
+    Py_INCREF(dec);
+    in_layouts = PyObject_GetAttr(dec, s_in_layouts);
+    grad_layouts = PyObject_GetAttr(dec, s_grad_layouts);
+    out_layouts = PyObject_GetAttr(dec, s_out_layouts);
+    out_shapes = PyObject_GetAttr(dec, s_out_shapes);
+    local_fn = PyObject_GetAttr(dec, s_local_fn);
+    Py_DECREF(dec);
+    if (in_layouts == NULL || grad_layouts == NULL || out_layouts == NULL || out_shapes == NULL || local_fn == NULL) {
+        res = NULL;
+        goto done;
+    }
+    if (!PyList_Check(in_layouts) && !PyTuple_Check(in_layouts)) goto done;
+    if (!PyList_Check(grad_layouts) && !PyTuple_Check(grad_layouts)) goto done;
+    {   /* Only hits that move no input: a redistribution may communicate, and collectives are issued from
+           _dispatch, whose frame check mode and CollectiveError read to name the op. */
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *a = PyTuple_GET_ITEM(args, i);
+            if (Py_TYPE(a) != dtensor_type) continue;
+            if (k >= PySequence_Fast_GET_SIZE(in_layouts) || k >= PySequence_Fast_GET_SIZE(grad_layouts)) goto done;
+            PyObject *layout = get_slot(a, &dt_layout);
+            if (layout == NULL) { res = NULL; goto done; }
+            int moves = PySequence_Fast_GET_ITEM(in_layouts, k) != layout;
+            Py_DECREF(layout);
+            if (moves) goto done;
+            k++;
+        }
+    }
+    /* Covered: from here on the call runs. */
+    largs = PyTuple_New(n);
+    if (largs == NULL) { res = NULL; goto done; }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i), *loc;
+        if (Py_TYPE(a) != dtensor_type) {
+            Py_INCREF(a);
+            PyTuple_SET_ITEM(largs, i, a);
+            continue;
+        }
+        PyObject *target = PySequence_Fast_GET_ITEM(in_layouts, k), *glay = PySequence_Fast_GET_ITEM(grad_layouts, k);
+        k++;
+        int rg = 0;
+        if (grad) {
+            rg = wrapper_requires_grad(a);
+            if (rg < 0) { res = NULL; goto done; }
+        }
+        if (rg)
+            loc = PyObject_CallFunctionObjArgs(local_input_fn, a, target, glay, NULL);
+        else  /* target is the input's own layout (checked above) */
+            loc = get_slot(a, &dt_local);
+        if (loc == NULL) { res = NULL; goto done; }
+        PyTuple_SET_ITEM(largs, i, loc);
+    }
+    out = PyObject_Call(local_fn != Py_None ? local_fn : func, largs, NULL);
+    if (out == NULL) { res = NULL; goto done; }
+    PyObject *gflag = grad ? Py_True : Py_False;
+    if (out_layouts == Py_None) {
+        res = PyObject_CallFunctionObjArgs(wrap_other, out, mesh, gflag, NULL);
+        goto done;
+    }
+    int single = Py_TYPE(out) == tensor_type;
+    if (single && out_shapes != Py_None && PyList_Check(out_layouts) && PyList_GET_SIZE(out_layouts) > 0 &&
+        PyList_Check(out_shapes) && PyList_GET_SIZE(out_shapes) > 0) {
+        PyObject *layout = PyList_GET_ITEM(out_layouts, 0), *shape = PyList_GET_ITEM(out_shapes, 0);
+        int rg = 0;
+        if (grad) {
+            rg = wrapper_requires_grad(out);
+            if (rg < 0) { res = NULL; goto done; }
+        }
+        if (rg) {
+            res = PyObject_CallFunctionObjArgs(wrap_local_fn, out, layout, shape, NULL);
+        } else {
+            PyObject *dtype = PyObject_GetAttr(out, s_dtype), *device = PyObject_GetAttr(out, s_device);
+            if (dtype != NULL && device != NULL) {
+                PyObject *argv[8] = {(PyObject *)dtensor_type, shape, Py_None, Py_None, Py_None, dtype, strided, device};
+                res = PyObject_Vectorcall(make_wrapper, argv, 8, NULL);
+                if (res != NULL && (set_slot(res, &dt_local, out) < 0 || set_slot(res, &dt_layout, layout) < 0 ||
+                                    set_slot(res, &dt_shape, shape) < 0))
+                    Py_CLEAR(res);
+            } else {
+                res = NULL;
+            }
+            Py_XDECREF(dtype);
+            Py_XDECREF(device);
+        }
+    } else {
+        res = PyObject_CallFunctionObjArgs(wrap_outs_fn, out, out_layouts, out_shapes, gflag, NULL);
+    }
+    if (res == NULL || !single || Py_TYPE(PyTuple_GET_ITEM(args, 0)) != dtensor_type) goto done;
+    PyObject *base = PyObject_GetAttr(out, s_base);
+    if (base == NULL) { Py_CLEAR(res); goto done; }
+    int is_view = (base != Py_None);
+    Py_DECREF(base);
+    if (is_view) {  /* dispatcher._note_view; loc0 None when the view was taken of a moved copy */
+        PyObject *a0 = PyTuple_GET_ITEM(args, 0);
+        PyObject *layout0 = get_slot(a0, &dt_layout);
+        if (layout0 == NULL) { Py_CLEAR(res); goto done; }
+        int moved = PySequence_Fast_GET_ITEM(in_layouts, 0) != layout0 || local_fn != Py_None;
+        Py_DECREF(layout0);
+        if (!moved && !grad_mode) goto done;  /* as _dispatch: a no-grad view of the unmoved input needs no note */
+        PyObject *noted = PyObject_CallFunctionObjArgs(note_view_fn, res, args,
+                                                       moved ? Py_None : PyTuple_GET_ITEM(largs, 0), out, func, largs,
+                                                       empty_dict, NULL);
+        if (noted == NULL) Py_CLEAR(res); else Py_DECREF(noted);
+    }
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(largs);
+    Py_XDECREF(local_fn);
+    Py_XDECREF(out_shapes);
+    Py_XDECREF(out_layouts);
+    Py_XDECREF(grad_layouts);
+    Py_XDECREF(in_layouts);
+    Py_XDECREF(key);
+    Py_XDECREF(parts);
+    Py_XDECREF(mesh);
+    return res;
+}
+
+/* _under_disabled_torch_function(func, args, kwargs, grad): called by torch._C._disabled_torch_function_impl, so
+   it answers in Python objects: the result, or dispatcher._NOT_HANDLED. In grad mode the replicated path first,
+   then (either mode) the decision path's cache hit. */
+static PyObject *twins_entry(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "_under_disabled_torch_function(func, args, kwargs, grad)");
+        return NULL;
+    }
+    int grad = (argv[3] == Py_True);
+    PyObject *res = grad ? replicated_local_grad(argv[0], argv[1], argv[2]) : NOT_HANDLED;
+    if (res == NOT_HANDLED) res = decision_hit(argv[0], argv[1], argv[2], grad);
+    if (res == NOT_HANDLED) {
+        Py_INCREF(not_handled_obj);
+        return not_handled_obj;
+    }
+    return res;
+}
+
+/* The twins above, run inside _disabled_torch_function_impl (as the Python path runs inside
+   DisableTorchFunctionSubclass): a new reference, NOT_HANDLED, or NULL. */
+static PyObject *under_disabled(PyObject *func, PyObject *types, PyObject *args, PyObject *kwargs, int grad) {
+    PyObject *inner = PyTuple_Pack(4, func, args, kwargs, grad ? Py_True : Py_False);
+    if (inner == NULL) return NULL;
+    PyObject *call[3] = {grad_entry, types, inner};
+    PyObject *res = PyObject_Vectorcall(disabled_impl, call, 3, NULL);
+    Py_DECREF(inner);
+    if (res == not_handled_obj) {
+        Py_DECREF(res);
+        return NOT_HANDLED;
+    }
+    return res;
+}
+
 /* __torch_function__(func, types, args=(), kwargs=None), installed as a staticmethod. */
 static PyObject *torch_function(PyObject *module, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
     if (python_path == NULL) {
@@ -254,8 +683,32 @@ static PyObject *torch_function(PyObject *module, PyObject *const *argv, Py_ssiz
         return NULL;
     }
     if (kwnames == NULL && nargs >= 3) {
-        PyObject *res = replicated_local(argv[0], argv[2], nargs >= 4 ? argv[3] : NULL);
-        if (res != NOT_HANDLED) return res;
+        PyObject *func = argv[0], *kwargs = nargs >= 4 ? argv[3] : Py_None;
+        PyObject *inplace = PyDict_GetItemWithError(fast_funcs, func);  /* borrowed: Py_True for in-place ops */
+        if (inplace != NULL) {
+            PyObject *g = PyObject_CallNoArgs(grad_enabled);
+            if (g == NULL) return NULL;
+            int grad = (g == Py_True);
+            Py_DECREF(g);
+            PyObject *res = NOT_HANDLED;
+            if (!grad) {
+                res = replicated_local(func, argv[2], kwargs == Py_None ? NULL : kwargs, inplace);
+                if (res == NOT_HANDLED && inplace == Py_False && grad_entry != NULL)
+                    res = under_disabled(func, argv[1], argv[2], kwargs, 0);
+            } else if (inplace == Py_False && grad_entry != NULL) {
+                res = under_disabled(func, argv[1], argv[2], kwargs, 1);
+                if (res == NOT_HANDLED)  /* declined before running anything: the general path, not this again */
+                    return PyObject_Vectorcall(grad_declined, argv, nargs, kwnames);
+            }
+            if (res != NOT_HANDLED) return res;
+        } else if (PyErr_Occurred()) {
+            PyErr_Clear();  /* unhashable funcs are simply not fast */
+        } else if (passthrough != NULL) {
+            int meta = PySet_Contains(passthrough, func);
+            if (meta < 0) PyErr_Clear();
+            else if (meta)  /* the wrapper's own metadata; kwargs=None is not a mapping to torch's impl: leave it out */
+                return PyObject_Vectorcall(disabled_impl, argv, nargs >= 4 && argv[3] == Py_None ? 3 : nargs, NULL);
+        }
     }
     return PyObject_Vectorcall(python_path, argv, nargs, kwnames);
 }
@@ -313,20 +766,58 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *configure_grad(PyObject *module, PyObject *args) {
+    PyObject *pt, *di, *li, *wl, *nv, *gd, *ge, *nh, *ed;
+    if (!PyArg_ParseTuple(args, "O!OOOOOOOO!:configure_grad", &PySet_Type, &pt, &di, &li, &wl, &nv, &gd, &ge, &nh,
+                          &PyDict_Type, &ed))
+        return NULL;
+    PyObject **slots[] = {&passthrough, &disabled_impl, &local_input_fn, &wrap_local_fn, &note_view_fn,
+                          &grad_declined, &grad_entry, &not_handled_obj, &empty_dict};
+    PyObject *vals[] = {pt, di, li, wl, nv, gd, ge, nh, ed};
+    for (int i = 0; i < 9; i++) {
+        Py_INCREF(vals[i]);
+        Py_XSETREF(*slots[i], vals[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *configure_decision(PyObject *module, PyObject *args) {
+    PyObject *ro, *dc, *rc, *wo;
+    if (!PyArg_ParseTuple(args, "O!O!O!O:configure_decision", &PyDict_Type, &ro, &PyDict_Type, &dc, &PyList_Type, &rc,
+                          &wo))
+        return NULL;
+    PyObject **slots[] = {&rule_of, &decisions, &recorders, &wrap_outs_fn};
+    PyObject *vals[] = {ro, dc, rc, wo};
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(vals[i]);
+        Py_XSETREF(*slots[i], vals[i]);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"torch_function", (PyCFunction)(void (*)(void))torch_function, METH_FASTCALL | METH_KEYWORDS,
      "DTensor.__torch_function__: the replicated no-grad path in C, everything else in Python."},
     {"configure", configure, METH_VARARGS, "Hand the module the Python objects it works with."},
+    {"configure_grad", configure_grad, METH_VARARGS,
+     "Switch on the grad-mode replicated path and the wrapper-metadata passthrough, with the objects they use."},
+    {"_under_disabled_torch_function", (PyCFunction)(void (*)(void))twins_entry, METH_FASTCALL,
+     "(func, args, kwargs, grad): the grad-mode replicated path, then the decision cache hit; torch function off."},
+    {"configure_decision", configure_decision, METH_VARARGS,
+     "Switch on the decision path's cache hit, with the dispatcher's tables and helpers."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     PyObject **names[] = {&dt_local.name, &dt_layout.name, &s_shape, &dt_shape.name, &layout_is_replicate.name,
-                          &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device, &s_view_of};
+                          &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device, &s_view_of,
+                          &s_requires_grad, &s_base, &s_float_args_matter, &s_in_layouts, &s_grad_layouts,
+                          &s_out_layouts, &s_out_shapes, &s_local_fn};
     const char *texts[] = {"_local", "_layout", "shape", "_shape", "is_replicate", "mesh", "replicated_layouts",
-                           "dtype", "device", "_view_of"};
-    for (int i = 0; i < 10; i++) {
+                           "dtype", "device", "_view_of", "requires_grad", "_base",
+                           "float_args_matter", "in_layouts", "grad_layouts", "out_layouts", "out_shapes", "local_fn"};
+    for (int i = 0; i < 18; i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL) return NULL;
     }

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..dtensor import autograd as autograd_bridge
-from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Wrap, local_input
+from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Wrap, local_input, wrap_local
 from ..dtensor.dtensor import DTensor, make_dtensor
 from ..layout.layout import Layout, replicate_layout
 from ..redistribute.planner import redistribute_local
@@ -271,7 +271,7 @@ def _wrap_out(out, layouts, shapes, grad, it):
         else:  # no meta kernel: even splits assumed, which rules for such ops guarantee
             shape = tuple(n * layout.shard_count(d) for d, n in enumerate(out.shape))
         if grad and out.requires_grad:
-            return Wrap.apply(out, layout, shape)
+            return wrap_local(out, layout, shape)
         return make_dtensor(out, layout, shape)
     t = type(out)
     if t is tuple or t is list:
@@ -281,13 +281,18 @@ def _wrap_out(out, layouts, shapes, grad, it):
     return out
 
 
+def _wrap_outs(out, layouts, shapes, grad):
+    """A decision's outputs wrapped with their layouts (what `_dispatch` does for several outputs; the C twin's)."""
+    return _wrap_out(out, layouts, shapes, grad, iter(range(len(layouts))))
+
+
 def _wrap_replicated(out, mesh, grad):
     if isinstance(out, Tensor):
         if type(out) is DTensor:
             return out
         layout = replicate_layout(mesh, out.ndim)
         if grad and out.requires_grad:
-            return Wrap.apply(out, layout, tuple(out.shape))
+            return wrap_local(out, layout, tuple(out.shape))
         return make_dtensor(out, layout, tuple(out.shape))
     t = type(out)
     if t is tuple or t is list:
@@ -339,6 +344,13 @@ def torch_function(func, types, args=(), kwargs=None):
 def torch_function_after_c(func, types, args=(), kwargs=None):
     """Where the C twin hands a call on: it has tried exactly what `_replicated_local` tries without grad."""
     return _after_no_grad_path(func, args, kwargs, _FAST.get(func), _is_grad_enabled())
+
+
+def torch_function_after_c_grad(func, types, args=(), kwargs=None):
+    """Where the C twin hands a grad-mode call of a `_FAST` func that it declined, before running anything, for
+    exactly the reasons `_replicated_local(..., grad=True, inplace=False)` would: the general path."""
+    with _DisableTF():
+        return _dispatch(func, args, kwargs or _NO_KWARGS, False)
 
 
 def _after_no_grad_path(func, args, kwargs, inplace, grad_mode):
@@ -449,7 +461,7 @@ def _replicated_local(func, args, kwargs, grad, inplace):
     shape = out.shape
     layout = mesh.replicated_layouts.get(len(shape)) or replicate_layout(mesh, len(shape))
     if grad and out.requires_grad:
-        res = Wrap.apply(out, layout, shape)
+        res = wrap_local(out, layout, shape)
     else:
         res = _make_wrapper(DTensor, shape, None, None, None, out.dtype, _strided, out.device)
         res._local = out
@@ -593,12 +605,15 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         return _wrap_replicated(out, mesh, grad)
     if type(out) is Tensor and dec.out_shapes is not None:
         layout, shape = dec.out_layouts[0], dec.out_shapes[0]
-        res = Wrap.apply(out, layout, shape) if grad and out.requires_grad else make_dtensor(out, layout, shape)
+        res = wrap_local(out, layout, shape) if grad and out.requires_grad else make_dtensor(out, layout, shape)
     else:
         res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
     if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0] and type(args[0]) is DTensor:
         moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
-        _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
+        # A view of the unmoved input made without grad needs no note, as on the replicated path: its local is a
+        # torch view made without grad, which torch itself refuses to write into with grad mode on.
+        if moved or grad_mode:
+            _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
     return res
 
 

@@ -112,6 +112,22 @@ class InplaceViewWrap(torch.autograd.Function):
         return _dt.make_dtensor(g, ctx.layout.without_partial(), ctx.shape), g_view, None
 
 
+# `autograd.Function.apply` is a Python preamble (default-argument binding for setup_context functions, functorch's
+# dead-wrapper unwrapping) around the C `_FunctionBase.apply`. Wrap and Unwrap define no setup_context, and outside
+# functorch transforms the preamble hands the arguments on unchanged, so the hot path calls the C apply directly.
+_c_apply = torch._C._FunctionBase.__dict__["apply"]
+_wrap_c_apply = _c_apply.__get__(None, Wrap)
+_unwrap_c_apply = _c_apply.__get__(None, Unwrap)
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def wrap_local(local, layout, shape):
+    """`Wrap.apply(local, layout, shape)` (the DTensor of a local result that requires grad), without the preamble."""
+    if _functorch_active():
+        return Wrap.apply(local, layout, shape)
+    return _wrap_c_apply(local, layout, shape)
+
+
 def local_input(t, target, grad_layout):
     """The local tensor an op computes with, autograd-connected to the DTensor `t` (which requires grad).
 
@@ -120,7 +136,9 @@ def local_input(t, target, grad_layout):
     local = t._local
     if local.requires_grad and target is t._layout and grad_layout is target:
         return local
-    return Unwrap.apply(t, target, grad_layout, t.grad_fn is None)
+    if _functorch_active():
+        return Unwrap.apply(t, target, grad_layout, t.grad_fn is None)
+    return _unwrap_c_apply(t, target, grad_layout, t.grad_fn is None)
 
 
 # ---- the autograd API on wrappers whose gradient arrives at their local -----------------------

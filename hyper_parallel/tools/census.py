@@ -82,6 +82,7 @@ class RunReport:
     detail: str = ""                                 # what was compared, or what differed
     error: str | None = None
     seconds: float = 0.0
+    plain_ok: bool | None = None                     # the plain-tensor run finished (None: not reached)
 
     @property
     def with_rules(self) -> list[str]:
@@ -163,22 +164,23 @@ class CensusReport:
 
     def table(self) -> str:
         """The terminal table: one row per model and mode, then the de-duplicated union."""
-        head = f"{'model':<20} {'mode':<9} {'ops':>4} {'rules':>5} {'miss':>4}  {'equal':<5} {'time':>6}  note"
+        w = max([20] + [len(m) for m in self.models()])  # long checkpoint paths keep the columns aligned
+        head = f"{'model':<{w}} {'mode':<9} {'ops':>4} {'rules':>5} {'miss':>4}  {'equal':<5} {'time':>6}  note"
         lines = [head, "-" * len(head)]
         for r in self.runs:
             note = r.error.splitlines()[-1][:60] if r.error else r.detail[:60]
             eq = "-" if r.equal is None else ("yes" if r.equal else "NO")
-            lines.append(f"{r.model:<20} {r.mode:<9} {len(r.ops):>4} {len(r.with_rules):>5} {len(r.missing):>4}  "
+            lines.append(f"{r.model:<{w}} {r.mode:<9} {len(r.ops):>4} {len(r.with_rules):>5} {len(r.missing):>4}  "
                          f"{eq:<5} {r.seconds:>5.1f}s  {note}")
         models = self.models()
         if len(models) > 1:
             lines.append("-" * len(head))
             for m in models:
                 ops, missing = self.model_ops(m), self.model_missing(m)
-                lines.append(f"{m:<20} {'all':<9} {len(ops):>4} {len(ops) - len(missing):>5} {len(missing):>4}")
+                lines.append(f"{m:<{w}} {'all':<9} {len(ops):>4} {len(ops) - len(missing):>5} {len(missing):>4}")
         union, miss = self.union_ops(), self.union_missing()
         lines.append("-" * len(head))
-        lines.append(f"{'union':<20} {'':<9} {len(union):>4} {len(union) - len(miss):>5} {len(miss):>4}")
+        lines.append(f"{'union':<{w}} {'':<9} {len(union):>4} {len(union) - len(miss):>5} {len(miss):>4}")
         if miss:
             lines.append("")
             lines.append("missing ops (calls, first call site):")
@@ -231,7 +233,10 @@ def _train_step(model: nn.Module, inputs: dict, labels: dict):
     # another order across ranks) moves the update by up to lr * dg / eps, so eps is kept well above 1e-8
     opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
     out = model(**inputs, **labels)
-    loss = out.loss
+    loss = getattr(out, "loss", None)
+    if loss is None:  # a head that computes no loss from labels: train on a sum of its outputs
+        first = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "to_tuple") else out
+        loss = first.float().pow(2).mean()
     loss.backward()
     grads = {n: (None if p.grad is None else full(p.grad).detach().clone()) for n, p in model.named_parameters()}
     opt.step()
@@ -256,8 +261,14 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_tokens: int,
-             wrap_input: Callable = replicated, wrap_param: Callable = replicated, record: bool = True) -> RunReport:
+             wrap_input: Callable = replicated, wrap_param: Callable = replicated, record: bool = True,
+             shard_model: Callable[[nn.Module], nn.Module] | None = None) -> RunReport:
+    """One mode of one model: the plain run, then the same on DTensors, compared.
+
+    `shard_model` (tensor parallel) lays out the model's parameters before the DTensor run; parameters it
+    leaves plain are replicated with `wrap_param` in train mode."""
     report = RunReport(name, mode)
+    shard_model = shard_model or (lambda m: m)
 
     def recorder():  # without recording, calls take the fast paths a user's calls take (and report no ops)
         return record_missing_ops() if record else contextlib.nullcontext(MissingOpRecord())
@@ -267,7 +278,9 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
         if mode == "generate":
             case = build()
             ref = _generate(case, case.inputs, max_new_tokens)
+            report.plain_ok = True
             case = build()
+            shard_model(case.model)
             inputs = to_dtensor_inputs(case.inputs, wrap_input)
             with recorder() as rec:
                 out = _generate(case, inputs, max_new_tokens)
@@ -275,7 +288,9 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
         elif mode == "train":
             case = build()
             ref_loss, ref_grads, ref_params = _train_step(_train_module(case), case.inputs, case.labels)
+            report.plain_ok = True
             case = build()
+            shard_model(case.model)
             module = distribute_parameters(_train_module(case), wrap_param)
             inputs, labels = to_dtensor_inputs(case.inputs, wrap_input), to_dtensor_inputs(case.labels, wrap_input)
             with recorder() as rec:

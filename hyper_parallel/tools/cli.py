@@ -13,7 +13,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--model", action="append", default=[],
                    help="built-in model name (repeatable), or 'all'; see --list")
     c.add_argument("--model-path", action="append", default=[],
-                   help="a local Hugging Face checkpoint folder (never downloaded); repeatable")
+                   help="a local Hugging Face checkpoint folder (never downloaded), fed every modality its config "
+                        "declares; repeatable")
+    c.add_argument("--model-type", action="append", default=[], metavar="TYPE",
+                   help="any transformers model_type (repeatable), or 'all': a tiny random model of that type built "
+                        "from its default config, each type in its own process")
+    c.add_argument("--jobs", type=int, default=1, metavar="N", help="--model-type: types run at once (default 1)")
+    c.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="--model-type: seconds a type may take before it is killed (default 300)")
+    c.add_argument("--tp", type=int, default=0, metavar="N",
+                   help="--model-type: N gloo processes per type, the model laid out by shard(model, 'auto') "
+                        "(types whose config has no base_model_tp_plan are listed as such)")
+    c.add_argument("--markdown", metavar="FILE", help="--model-type: also write the report as markdown "
+                                                       "(docs/census.md is generated this way)")
     c.add_argument("--mode", choices=("generate", "train", "all"), default="all",
                    help="generate: model.generate on DTensor inputs; train: forward+backward+AdamW step with "
                         "DTensor parameters; all: both (default)")
@@ -37,12 +49,28 @@ def census_main(args: argparse.Namespace) -> int:
         for name, entry in MODELS.items():
             print(f"{name:<20} {entry.description}")
         return 0
-    if not args.model and not args.model_path:
-        print("hyper-parallel census: give --model NAME (or 'all'), --model-path DIR, or --list", file=sys.stderr)
+    if not args.model and not args.model_path and not args.model_type:
+        print("hyper-parallel census: give --model NAME (or 'all'), --model-type TYPE (or 'all'), --model-path DIR, "
+              "or --list", file=sys.stderr)
+        return 2
+    if args.model_type:
+        if args.model or args.model_path:
+            print("hyper-parallel census: --model-type runs on its own (not with --model / --model-path)",
+                  file=sys.stderr)
+            return 2
+        return _type_census(args)
+    import os
+    absent = [p for p in args.model_path if not os.path.isfile(os.path.join(p, "config.json"))]
+    if absent:
+        print(f"hyper-parallel census: --model-path {', '.join(absent)}: no such local checkpoint (a folder with "
+              f"a config.json; nothing is downloaded)", file=sys.stderr)
         return 2
     unknown = [m for m in args.model if m != "all" and m not in MODELS]
     if unknown:
         print(f"unknown model(s) {', '.join(unknown)}; built-in: {', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    if args.tp:
+        print("hyper-parallel census: --tp runs with --model-type", file=sys.stderr)
         return 2
     from .census import run_census, write_json
     start = time.perf_counter()
@@ -69,6 +97,46 @@ def census_main(args: argparse.Namespace) -> int:
     if any(r.error or r.equal is False for r in report.runs):
         return 1
     if args.strict and report.union_missing():
+        return 2
+    return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The census command line that reproduces a type census (written into its markdown report)."""
+    parts = ["hyper-parallel census"] + [f"--model-type {t}" for t in args.model_type]
+    parts += [f"--{k} {v}" for k, v in (("dp", args.dp), ("tp", args.tp), ("jobs", args.jobs)) if v]
+    if args.mode != "all":
+        parts.append(f"--mode {args.mode}")
+    return " ".join(parts)
+
+
+def _type_census(args: argparse.Namespace) -> int:
+    """`census --model-type ...`: each type built tiny in its own process (see tools/census_types.py)."""
+    from .auto_models import all_model_types
+    from .census_types import run_type_census, write_type_json
+    known = set(all_model_types())
+    unknown = [t for t in args.model_type if t != "all" and t not in known]
+    if unknown:
+        print(f"hyper-parallel census: model type(s) {', '.join(unknown)} have none of the census heads "
+              f"(image-text-to-text, causal-LM, seq2seq-LM, masked-LM, sequence classification) in this "
+              f"transformers; `--model-type all` runs the {len(known)} that do", file=sys.stderr)
+        return 2
+    report = run_type_census(args.model_type, args.mode, jobs=args.jobs, dp=args.dp, tp=args.tp,
+                             timeout=args.timeout, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                             progress=lambda line: print(line, flush=True))
+    print()
+    print(report.table())
+    if args.json:
+        write_type_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown(command=_command(args)))
+        print(f"wrote {args.markdown}")
+    counted = report.counted()
+    if any(r.status != "ok" for r in counted):
+        return 1
+    if args.strict and report.missing_union():
         return 2
     return 0
 

@@ -294,17 +294,7 @@ def build_model(name: str, seed: int = 0) -> ModelCase:
 
 
 def load_pretrained(path: str, seed: int = 0) -> ModelCase:
-    """A local Hugging Face checkpoint (never downloaded) with a short random text prompt."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
-    except (ValueError, KeyError):
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
-    model = _finish(model)
-    vocab = getattr(getattr(cfg, "text_config", cfg), "vocab_size", 1000)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, min(vocab, 1000), (1, 16), generator=gen)
-    return ModelCase(str(path), model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                     labels={"labels": ids.clone()})
+    """A local Hugging Face checkpoint (never downloaded), fed every modality its config declares (text,
+    images with their grids, video, audio: the inputs `census --model-type` builds)."""
+    from .auto_models import load_path_model
+    return load_path_model(path, seed)

@@ -61,8 +61,8 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: 
     schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb" (stages_per_rank >= 1)
     or "zbv" (stages_per_rank == 2). split_points: the first layer of stages 1.. (indices or names like
     "model.layers.4"); by default stages are balanced by parameter count. parallelize_kwargs: `tp=`
-    (a `shard` plan, "auto" for the model's own) on a "tp" axis, `hsdp=` (a dict of `hsdp` arguments)
-    on a "dp" axis, applied to every stage. The model is pruned in place: afterwards it holds only
+    (a `shard` plan, "auto" for the model's own) and `hsdp=` (a dict of `hsdp` arguments), given to
+    `hyper_parallel.parallelize` for every stage over the mesh's other axes ("tp", "dp"). The model is pruned in place: afterwards it holds only
     this rank's stages.
     """
     recipe = cut.recipe_for(model)
@@ -84,7 +84,7 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: 
 
     whole_meta = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
     key_owner = _key_owners(whole_meta, specs, owner, recipe)
-    _check_parallelize_kwargs(mesh, parallelize_kwargs)
+    _check_parallelize_kwargs(mesh, axis, parallelize_kwargs)
 
     cut.prune(model, recipe, {i for spec in mine for i in spec.layers},
               any(s.first for s in mine), any(s.last for s in mine))
@@ -123,29 +123,43 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
                          f"config.tie_word_embeddings=False) before pipeline()")
 
 
-def _check_parallelize_kwargs(mesh: DeviceMesh, kwargs: dict) -> None:
+def _stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh | None:
+    """The mesh's other axes (this rank's pp coordinate), over which each stage is parallelised."""
+    others = tuple(n for n in mesh.mesh_dim_names if n != axis)
+    return mesh[others] if others else None
+
+
+def _check_parallelize_kwargs(mesh: DeviceMesh, axis: str, kwargs: dict) -> None:
+    """parallelize's own request check on the stage mesh, before anything changes."""
     unknown = set(kwargs) - {"tp", "hsdp"}
     if unknown:
-        raise ValueError(f"pipeline: unknown arguments {sorted(unknown)}; parallelize_kwargs takes tp= and hsdp=")
-    names = mesh.mesh_dim_names
-    if kwargs.get("tp") is not None and "tp" not in names:
-        raise ValueError(f"pipeline: tp={kwargs['tp']!r} needs a 'tp' axis; the mesh has {names}")
-    if kwargs.get("hsdp") is not None and "dp" not in names:
-        raise ValueError(f"pipeline: hsdp={kwargs['hsdp']!r} needs a 'dp' axis; the mesh has {names}")
+        raise ValueError(f"pipeline: unknown arguments {sorted(unknown)}; parallelize_kwargs takes tp= and hsdp= "
+                         f"(applied by hyper_parallel.parallelize to each stage)")
+    stage_mesh = _stage_mesh(mesh, axis)
+    if stage_mesh is None:
+        if kwargs.get("hsdp") is not None or kwargs.get("tp") not in (None, "auto"):
+            raise ValueError(f"pipeline: {sorted(kwargs)} need 'dp'/'tp' axes beside {axis!r}; the mesh has "
+                             f"{mesh.mesh_dim_names}")
+        return
+    from ..parallelize import check_request
+    check_request(stage_mesh, **kwargs)
 
 
 def _parallelize_stages(model: nn.Module, views: list, mesh: DeviceMesh, axis: str, kwargs: dict) -> None:
-    """`shard` on "tp" and `hsdp` on "dp" for every stage, over the mesh's axes other than `axis`."""
-    tp, dp_args = kwargs.get("tp"), kwargs.get("hsdp")
-    names = mesh.mesh_dim_names
-    if tp is not None:
-        from ..shard import shard
-        shard(model, tp, mesh["tp"])
-    if dp_args is not None:
-        from ..hsdp import hsdp
-        dp_mesh = mesh[tuple(n for n in names if n != axis)]
-        for view in views:
-            hsdp(view, **{"mesh": dp_mesh, **dict(dp_args)})
+    """`parallelize` each stage over the mesh's other axes: shard on "tp", then hsdp on "dp".
+
+    Stage by stage, not the whole pruned model: every stage is a root the schedule calls, so hsdp's
+    root hooks must sit on it; the stages share no parameters, so each is sharded once. What each
+    applied is noted on the model too (for `summary`).
+    """
+    stage_mesh = _stage_mesh(mesh, axis)
+    if stage_mesh is None:
+        return
+    from ..parallelize import parallelize
+    applied = model.__dict__.setdefault("_hp_applied", [])
+    for view in views:
+        parallelize(view, stage_mesh, **kwargs)
+        applied += [text for text in view.__dict__.get("_hp_applied", []) if text not in applied]
 
 
 def _key_owners(whole_meta: dict, specs: list, owner: list, recipe: cut.Recipe) -> dict:

@@ -1,0 +1,423 @@
+"""The census over transformers model types: each type built tiny on the spot, in its own process.
+
+`run_type_census(["llama", "bert"])` (or `["all"]`) runs every type's generate (or forward) and training
+step, plain and on DTensors, in a forked child per type (per rank with `dp` / `tp`), `jobs` at a time,
+each under a timeout, so a type that hangs or crashes costs its own slot only. A type whose plain run fails
+is reported as such ("plain failed") and not counted against the library: the targets count the types
+whose plain run works.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+from .census import MODES, RunReport, _modes, _run_one, replicated
+
+STATUSES = ("ok", "missing ops", "not equal", "failed", "plain failed", "not built", "timeout", "no tp plan")
+
+
+@dataclass
+class TypeResult:
+    """One model type: how far it got, and its runs (one per mode)."""
+
+    model_type: str
+    head: str = ""
+    built: bool = False
+    build_error: str | None = None
+    runs: list = field(default_factory=list)   # RunReport
+    seconds: float = 0.0
+    timed_out: bool = False
+    skipped: str | None = None                 # why the type was not run (e.g. no tp plan for --tp)
+    fed: list = field(default_factory=list)    # the modalities its inputs feed (text, image, video, audio)
+
+    @property
+    def plain_ok(self) -> bool:
+        return self.built and bool(self.runs) and all(r.plain_ok for r in self.runs)
+
+    def _calls(self, which: str) -> dict:
+        """op -> calls over the runs, of `ops` (every op hit) or `missing` (those without a rule)."""
+        out: dict = {}
+        for r in self.runs:
+            for op, n in getattr(r, which).items():
+                out[op] = out.get(op, 0) + n
+        return out
+
+    @property
+    def ops(self) -> dict:
+        return self._calls("ops")
+
+    @property
+    def missing(self) -> dict:
+        return self._calls("missing")
+
+    @property
+    def equal(self) -> bool | None:
+        if not self.runs or any(r.equal is None for r in self.runs):
+            return None
+        return all(r.equal for r in self.runs)
+
+    @property
+    def status(self) -> str:
+        if self.skipped:
+            return self.skipped
+        if self.timed_out and not self.plain_ok:
+            return "timeout"
+        if not self.built:
+            return "not built"
+        if not self.plain_ok:
+            return "plain failed"
+        if self.timed_out:
+            return "timeout"
+        if any(r.error for r in self.runs):
+            return "failed"
+        if self.missing:
+            return "missing ops"
+        if not self.equal:
+            return "not equal"
+        return "ok"
+
+    @property
+    def why(self) -> str:
+        """The one line that says what went wrong (empty when ok)."""
+        if self.build_error:
+            return _last_line(self.build_error)
+        for r in self.runs:  # a plain run that failed says why the type is not counted
+            if r.error and not r.plain_ok:
+                return f"{r.mode} (plain): {_last_line(r.error)}"
+        for r in self.runs:
+            if r.error:
+                return f"{r.mode}: {_last_line(r.error)}"
+        if self.missing:
+            return "missing " + ", ".join(sorted(self.missing))
+        for r in self.runs:
+            if r.equal is False:
+                return f"{r.mode}: {r.detail}"
+        if self.timed_out:
+            return "no result within the timeout"
+        return ""
+
+    def to_dict(self) -> dict:
+        return {"head": self.head, "fed": self.fed, "built": self.built, "plain_ok": self.plain_ok, "status": self.status,
+                "ops": dict(sorted(self.ops.items())), "missing": dict(sorted(self.missing.items())),
+                "equal": self.equal, "seconds": round(self.seconds, 2), "why": self.why,
+                "runs": {r.mode: {k: v for k, v in asdict(r).items() if k not in ("model", "mode")}
+                         for r in self.runs}}
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1].strip()[:200] if lines else ""
+
+
+@dataclass
+class TypeCensus:
+    """The results of a type census, with the counts the targets are stated in."""
+
+    results: list = field(default_factory=list)   # TypeResult
+    scenario: str = "single"
+    seconds: float = 0.0
+
+    def counted(self) -> list:
+        """The types whose plain run works (the ones the targets count)."""
+        return [r for r in self.results if r.plain_ok and not r.skipped]
+
+    def summary(self) -> dict:
+        counted = self.counted()
+        ok = [r for r in counted if r.status == "ok"]
+        statuses: dict = {}
+        for r in self.results:
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+        return {"scenario": self.scenario, "types": len(self.results), "plain_ok": len(counted), "ok": len(ok),
+                "ok_share": round(len(ok) / len(counted), 4) if counted else None,
+                "statuses": statuses, "seconds": round(self.seconds, 1)}
+
+    def missing_union(self) -> dict:
+        """op -> number of types that miss it (most common first)."""
+        out: dict = {}
+        for r in self.results:
+            for op in r.missing:
+                out[op] = out.get(op, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def to_dict(self) -> dict:
+        return {"summary": self.summary(), "missing": self.missing_union(),
+                "types": {r.model_type: r.to_dict() for r in self.results}}
+
+    def table(self) -> str:
+        width = max([len("type")] + [len(r.model_type) for r in self.results])
+        head = f"{'type':<{width}} {'head':<18} {'status':<12} {'ops':>4} {'miss':>4} {'equal':<5} {'time':>6}  why"
+        lines = [head, "-" * len(head)]
+        for r in self.results:
+            eq = "-" if r.equal is None else ("yes" if r.equal else "NO")
+            lines.append(f"{r.model_type:<{width}} {r.head:<18} {r.status:<12} {len(r.ops):>4} {len(r.missing):>4} "
+                         f"{eq:<5} {r.seconds:>5.1f}s  {r.why[:100]}")
+        s = self.summary()
+        lines.append("-" * len(head))
+        share = "-" if s["ok_share"] is None else f"{100 * s['ok_share']:.1f}%"
+        lines.append(f"{s['types']} types, {s['plain_ok']} run plain, {s['ok']} ok ({share} of those), "
+                     f"{self.seconds:.0f}s; " + ", ".join(f"{k}: {v}" for k, v in sorted(s["statuses"].items())))
+        miss = self.missing_union()
+        if miss:
+            lines.append("missing ops (types): " + ", ".join(f"{op} ({n})" for op, n in miss.items()))
+        return "\n".join(lines)
+
+    def markdown(self, command: str = "") -> str:
+        """The report as a markdown page (docs/census.md)."""
+        s = self.summary()
+        share = "-" if s["ok_share"] is None else f"{100 * s['ok_share']:.1f}%"
+        out = ["# Census of transformers model types", "",
+               "Generated by `hyper-parallel census --model-type all --markdown docs/census.md`"
+               + (f" (this run: `{command}`)" if command else "") + "; do not edit by hand.", "",
+               "Every model type transformers can build with an image-text-to-text, causal-LM, seq2seq-LM, "
+               "masked-LM or sequence-classification head, built tiny from its default config, runs generate "
+               "(forward for heads that do not generate) and one training step, plain and with DTensor inputs "
+               "(and parameters, for training) on the census layout; `equal` compares tokens, logits, loss, "
+               "gradients and parameters after AdamW with the plain run. A type whose plain run fails is not "
+               "counted.", "",
+               f"- scenario: {s['scenario']}", f"- types: {s['types']}",
+               f"- plain run works: {s['plain_ok']}",
+               f"- generate and train with 0 missing ops and equal results: {s['ok']} ({share} of those)",
+               f"- statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(s["statuses"].items())),
+               f"- wall time: {self.seconds:.0f}s", ""]
+        miss = self.missing_union()
+        if miss:
+            out += ["## Missing ops", "", "| op | types |", "|---|---|"]
+            out += [f"| `{op}` | {n} |" for op, n in miss.items()]
+            out.append("")
+        out += ["## Types", "", "| type | head | status | ops | missing | equal | seconds | why |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in self.results:
+            eq = "-" if r.equal is None else ("yes" if r.equal else "no")
+            why = r.why.replace("|", "\\|").replace("\n", " ")[:160]
+            out.append(f"| {r.model_type} | {r.head} | {r.status} | {len(r.ops)} | {len(r.missing)} | {eq} | "
+                       f"{r.seconds:.1f} | {why} |")
+        out.append("")
+        return "\n".join(out)
+
+
+# ---- the child processes ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, record: bool, conn,
+                rank: int = 0, world: int = 1, port: int = 0, scenario: str = "single") -> None:
+    """One type in one process (one rank of `world`): sends ("built", head), then one RunReport per mode."""
+    import torch
+    torch.set_num_threads(1)
+    from .auto_models import build_model_type, fed_modalities, head_of
+    wrap_input = wrap_param = replicated
+    shard_model = None
+    try:
+        if world > 1:
+            import torch.distributed as dist
+            from datetime import timedelta
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+            from ..dtensor.dtensor import distribute_tensor
+            from ..layout.layout import Layout
+            if scenario == "dp":
+                mesh = Layout((world,), ("dp",))
+                wrap_input = lambda t: (distribute_tensor(t, mesh("dp", *(["None"] * (t.ndim - 1))))  # noqa: E731
+                                        if t.ndim and t.shape[0] % world == 0 else replicated(t, mesh))
+            else:
+                mesh = Layout((world,), ("tp",))
+                wrap_input = lambda t: replicated(t, mesh)  # noqa: E731
+                from ..parallel.shard import shard
+                shard_model = lambda m: shard(m, "auto", mesh, src_data_rank=None)  # noqa: E731
+            wrap_param = lambda t: replicated(t, mesh)  # noqa: E731
+        head, _ = head_of(model_type)
+        try:
+            template = build_model_type(model_type, seed)
+        except Exception:
+            if rank == 0:
+                conn.send(("build_error", head, traceback.format_exc()))
+            return
+        if rank == 0:
+            conn.send(("built", head, fed_modalities(template.inputs)))
+
+        def build():  # a copy of the one built model: building is slower than copying
+            return copy.deepcopy(template)
+
+        for md in modes:
+            r = _run_one(model_type, md, build, max_new_tokens, wrap_input, wrap_param, record, shard_model)
+            if rank == 0:
+                conn.send(("run", md, asdict(r)))
+    finally:
+        if rank == 0:
+            conn.send(("done", None, None))
+        conn.close()
+        if world > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@dataclass
+class _Job:
+    result: TypeResult
+    procs: list
+    conn: object
+    start: float
+
+
+def _start(model_type: str, modes: tuple, max_new_tokens: int, seed: int, record: bool, scenario: str,
+           world: int) -> _Job:
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    port = _free_port() if world > 1 else 0
+    procs = []
+    for rank in range(world):
+        conn = send if rank == 0 else _NullConn()
+        p = ctx.Process(target=_type_child, args=(model_type, modes, max_new_tokens, seed, record, conn, rank,
+                                                   world, port, scenario), daemon=True)
+        p.start()
+        procs.append(p)
+    send.close()
+    return _Job(TypeResult(model_type), procs, recv, time.perf_counter())
+
+
+class _NullConn:
+    """The pipe end of ranks other than 0: they report nothing."""
+
+    def send(self, item) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _drain(job: _Job) -> bool:
+    """Read what the job's rank 0 sent; True once it said it is done (or its pipe closed)."""
+    try:
+        while job.conn.poll():
+            kind, a, b = job.conn.recv()
+            if kind == "built":
+                job.result.built, job.result.head, job.result.fed = True, a, b
+            elif kind == "build_error":
+                job.result.head, job.result.build_error = a, b
+            elif kind == "run":
+                job.result.runs.append(RunReport(**b))
+            elif kind == "done":
+                return True
+    except (EOFError, OSError):
+        return True
+    return False
+
+
+def _finish_job(job: _Job, timed_out: bool) -> TypeResult:
+    for p in job.procs:
+        p.join(timeout=5 if not timed_out else 0.1)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    job.result.seconds = time.perf_counter() - job.start
+    job.result.timed_out = timed_out
+    if not timed_out and not job.result.built and not job.result.build_error:
+        codes = [p.exitcode for p in job.procs]
+        job.result.build_error = f"the type's process died (exit codes {codes})"
+    return job.result
+
+
+def _head_name(model_type: str) -> str:
+    from .auto_models import head_of
+    try:
+        return head_of(model_type)[0]
+    except KeyError:
+        return ""
+
+
+def _preload() -> None:
+    """Import what every type's build imports, once, before the children are forked (they inherit it): a
+    model's first build otherwise spends seconds importing transformers' shared modules."""
+    import importlib
+    for name in ("transformers", "transformers.modeling_utils", "transformers.generation.utils",
+                 "transformers.activations", "transformers.models.auto.modeling_auto", "transformers.masking_utils",
+                 "transformers.modeling_layers", "transformers.integrations.sdpa_attention"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional module this transformers version lacks: its users import it later
+            pass
+
+
+def resolve_types(types: Iterable[str]) -> list[str]:
+    from .auto_models import all_model_types
+    out: list = []
+    for t in types:
+        out.extend(all_model_types() if t == "all" else [t])
+    return list(dict.fromkeys(out))
+
+
+def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, dp: int = 0, tp: int = 0,
+                    timeout: float = 300.0, max_new_tokens: int = 3, seed: int = 0, record: bool = True,
+                    progress: Callable[[str], None] | None = None) -> TypeCensus:
+    """Run the census on transformers model types ("all" for every one with a census head).
+
+    Single-card by default (one process per type, inputs and parameters replicated on the census layout);
+    `dp=N`: N gloo processes per type with the batch split; `tp=N`: N gloo processes per type with
+    `shard(model, "auto")` (types whose config declares no base_model_tp_plan are listed as "no tp plan").
+    `jobs` types run at once; a type that has not finished after `timeout` seconds is killed ("timeout").
+    """
+    _preload()
+    from .auto_models import has_tp_plan
+    if dp and tp:
+        raise ValueError("census: give --dp or --tp, not both")
+    scenario, world = ("dp", dp) if dp else (("tp", tp) if tp else ("single", 1))
+    names = resolve_types(types)
+    modes = _modes(mode)
+    census = TypeCensus(scenario=f"{scenario}" + (f" {world}" if world > 1 else ""))
+    order = {t: i for i, t in enumerate(names)}
+    pending = list(names)
+    running: list = []
+    done: list = []
+    start = time.perf_counter()
+
+    def report(r: TypeResult) -> None:
+        done.append(r)
+        if progress is not None:
+            progress(f"[{len(done)}/{len(names)}] {r.model_type}: {r.status}, {len(r.ops)} ops, "
+                     f"{len(r.missing)} missing, equal={r.equal}, {r.seconds:.1f}s"
+                     + (f" ({r.why[:160]})" if r.why else ""))
+
+    while pending or running:
+        while pending and len(running) < max(1, jobs):
+            t = pending.pop(0)
+            if scenario == "tp":
+                try:
+                    planned = has_tp_plan(t)
+                except Exception:
+                    planned = True  # let the child say what fails
+                if not planned:
+                    report(TypeResult(t, head=_head_name(t), skipped="no tp plan"))
+                    continue
+            running.append(_start(t, modes, max_new_tokens, seed, record, scenario, world))
+        time.sleep(0.05)
+        for job in list(running):
+            finished = _drain(job)
+            if not finished and all(not p.is_alive() for p in job.procs):
+                finished = _drain(job) or True
+            over = time.perf_counter() - job.start > timeout
+            if finished or over:
+                running.remove(job)
+                report(_finish_job(job, timed_out=over and not finished))
+    census.results = sorted(done, key=lambda r: order[r.model_type])
+    census.seconds = time.perf_counter() - start
+    return census
+
+
+def write_type_json(census: TypeCensus, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(census.to_dict(), f, indent=2, default=str)
+
+
+__all__ = ["run_type_census", "TypeCensus", "TypeResult", "resolve_types", "write_type_json", "MODES"]
