@@ -62,17 +62,22 @@ def check_request(mesh: DeviceMesh, *, tp: Any = "auto", ep: bool = False, cp: s
 
 def model_parallel(model: nn.Module, mesh: DeviceMesh, *, tp: Any = "auto", ep: bool = False,
                    cp: str | None = None) -> None:
-    """The parallelisms that split the model itself: shard on "tp", experts on "ep", sequence on "cp"."""
+    """The parallelisms that split the model itself: shard on "tp", experts on "ep", sequence on "cp".
+
+    All three lay parameters out on one mesh, `mesh` without "dp" (shard's `model_mesh`), e.g. the
+    whole ("cp", "tp") mesh with tp's splits replicated over "cp"; hsdp then adds "dp" itself."""
+    from .shard.api import model_mesh
     names = mesh.mesh_dim_names
+    inner = model_mesh(mesh)
     if "tp" in names and tp is not None:
         from .shard import shard
         shard(model, tp, mesh)
     if "ep" in names:
         from .expert import expert_parallel  # imported here: optional parts of the package
-        expert_parallel(model, mesh, axis="ep")
+        expert_parallel(model, inner, axis="ep")
     if "cp" in names:
         from .context import context_parallel
-        context_parallel(model, mesh, axis="cp", method=cp or "ring")
+        context_parallel(model, inner, axis="cp", method=cp or "ring")
 
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, hsdp: dict | None) -> None:

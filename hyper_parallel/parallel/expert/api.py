@@ -52,8 +52,8 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.
     elsewhere = sorted({repr(p.device_mesh) for p in model.parameters() if isinstance(p, DTensor) and p.device_mesh is not mesh})
     if elsewhere:
         raise ValueError(f"expert_parallel: parameters already live on {', '.join(elsewhere)}, not on {mesh}; expert "
-                         f"parallel needs every parameter on the one mesh it is given (composing with `shard` on a "
-                         f"sub-mesh such as mesh['tp'] is not supported yet)")
+                         f"parallel needs every parameter on the one mesh it is given: shard with that same mesh "
+                         f"(style plans then lay out on it), or use hyper_parallel.parallelize")
     _lay_out_parameters(model, experts, mesh, axis)
     for name, module in experts.items():
         _dispatching_forward(module, mesh, axis, name)

@@ -25,9 +25,9 @@ from ...redistribute.planner import redistribute_local
 from .._applied import record_applied
 from .._model import bind_save_pretrained, refuse_foreign_dtensors
 from .plan import (Boundary, Resolved, ShardingPlan, auto_plan, check_heads, resolve_sharding_plan,
-                   resolve_styles)
+                   resolve_styles, tp_size)
 
-TP = "tp"
+TP, DP = "tp", "dp"
 
 
 def shard(model: nn.Module, plan: Any, mesh: DeviceMesh | Layout | None = None, *,
@@ -66,17 +66,18 @@ def _report(model: nn.Module, plan: Any, mesh: DeviceMesh) -> None:
     params = dict(model.named_parameters())
     split = [n for n, p in params.items() if isinstance(p, DTensor) and p.dist_layout.sharded_axes]
     axes = "x".join(f"{a!r}" for a in mesh.mesh_dim_names)
+    ways = tp_size(mesh) if TP in mesh.mesh_dim_names else mesh.size()
     record_applied(model, f"tp: {len(split)} of {len(params)} parameters split over {axes} "
-                          f"({mesh.size()}-way), plan {plan if isinstance(plan, str) else type(plan).__name__}")
+                          f"({ways}-way), plan {plan if isinstance(plan, str) else type(plan).__name__}")
     ends = set()
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, getter, lambda: None)() if hasattr(model, getter) else None
         if module is not None and getattr(module, "weight", None) is not None:
             ends.add(id(module.weight))
-    if mesh.size() > 1 and not split:
+    if ways > 1 and not split:
         warnings.warn(f"shard: the plan split no parameter of {type(model).__name__}: every rank holds and "
                       f"computes the whole model; give a plan that names its projections", stacklevel=3)
-    elif mesh.size() > 1 and all(id(params[n]) in ends for n in split):
+    elif ways > 1 and all(id(params[n]) in ends for n in split):
         warnings.warn(f"shard: the plan splits only the embedding and the head of {type(model).__name__} "
                       f"(that is all its tp_plan holds): the layers run replicated on every rank; give a plan "
                       f"for the layers' projections (ShardingPlan or a style dict) to split them", stacklevel=3)
@@ -94,12 +95,21 @@ def _resolve_mesh(plan, mesh):
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"shard: mesh must be a DeviceMesh or a Layout, got {type(mesh).__name__}")
     if TP in mesh.mesh_dim_names:
-        tp_mesh = mesh if mesh.ndim == 1 else mesh[TP]
+        tp_mesh = model_mesh(mesh)
     elif mesh.ndim == 1:
         tp_mesh = mesh  # any 1-D mesh is the tensor-parallel axis, as for torch's parallelize_module
     else:
         tp_mesh = None
     return mesh, tp_mesh
+
+
+def model_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh the model's own parallelisms (tp, ep, cp) lay parameters out on: `mesh` without its "dp"
+    axis. Style plans split on its "tp" axis and replicate on the others (e.g. ("cp", "tp")), so that
+    expert and context parallelism, given the same mesh, find every parameter on it; the "dp" axis is
+    left to `hsdp`, which shards over it whatever sub-mesh the parameters live on."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != DP)
+    return mesh if names == mesh.mesh_dim_names else mesh[names]
 
 
 def _mesh_in_plan(plan):
@@ -216,6 +226,11 @@ def move(x: Tensor, layout_fn, where: str) -> DTensor:
         if x.device_mesh is not mesh:
             raise ValueError(f"{where}: the tensor lives on mesh {x.device_mesh}, but the module is sharded "
                              f"on {mesh}; redistribute it onto that mesh first")
+        tp_axis = getattr(layout_fn, "tp_axis", None)
+        if tp_axis is not None:  # a style moves only the tp axis: other axes keep their split (cp's sequence)
+            placements = list(x.dist_layout.placements)
+            placements[tp_axis] = layout_fn.placement
+            layout = Layout.from_placements(mesh, placements, x.ndim)
         return x if x.dist_layout is layout else x.redistribute(layout)
     dt = DTensor.from_local(x, replicate_layout(mesh, x.ndim))
     return dt if layout.is_replicate else dt.redistribute(layout)

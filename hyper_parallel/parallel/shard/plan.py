@@ -90,9 +90,27 @@ def spec_to_layout_fn(spec: Any, mesh: DeviceMesh, where: str) -> LayoutFn:
     return _memo(_spec_to_layout_fn(spec, mesh, where))
 
 
+TP = "tp"
+
+
+def tp_size(mesh: DeviceMesh) -> int:
+    """Ranks of the tensor-parallel axis: the whole of a 1-D mesh, else the axis named "tp"."""
+    return mesh.size() if mesh.ndim == 1 else mesh.size(TP)
+
+
 def placement_fn(placement: Placement, mesh: DeviceMesh) -> LayoutFn:
-    """Layouts for one placement on a 1-D mesh (the tp axis)."""
-    return _memo(lambda ndim: Layout.from_placements(mesh, (placement,), ndim))
+    """Layouts for one placement on the tensor-parallel axis: a 1-D mesh, or the "tp" axis of a mesh with
+    more axes (e.g. ("cp", "tp")), replicated on the others, so that expert and context parallelism find
+    every parameter on the one mesh they are given. The result carries `tp_axis` and `placement`: module
+    boundaries then move only the tp axis of a DTensor input and keep its other axes (a sequence split
+    over "cp" stays split)."""
+    if mesh.ndim == 1:
+        return _memo(lambda ndim: Layout.from_placements(mesh, (placement,), ndim))
+    tp_axis = mesh.axis_index(TP)
+    placements = tuple(placement if a == tp_axis else REPLICATE for a in range(mesh.ndim))
+    fn = _memo(lambda ndim: Layout.from_placements(mesh, placements, ndim))
+    fn.tp_axis, fn.placement = tp_axis, placement
+    return fn
 
 
 def _memo(fn: LayoutFn) -> LayoutFn:
@@ -387,7 +405,7 @@ def _apply_styles(model, plan, tp_mesh, res: Resolved, strict: bool, modules, pa
                 res.sources[full] = f"{key}: {name}"
                 if style.heads and pn == "weight":
                     dim = p.ndim - 2 if style.param(p.ndim) == Shard(p.ndim - 2) else p.ndim - 1
-                    res.head_checks.append((m, full, dim, tp_mesh.size()))
+                    res.head_checks.append((m, full, dim, tp_size(tp_mesh)))
             if style.inp is not None and not style.experts:
                 res.inputs[m] = Boundary(first=placement_fn(style.inp, tp_mesh))
             if style.out is not None:
@@ -418,4 +436,4 @@ def check_heads(model: nn.Module, res: Resolved) -> None:
 
 
 __all__ = ["ShardingPlan", "STYLES", "sequence_parallel_plan", "Style", "Resolved", "Boundary", "auto_plan",
-           "resolve_styles", "resolve_sharding_plan", "spec_to_layout_fn", "check_heads", "path_matches"]
+           "resolve_styles", "resolve_sharding_plan", "spec_to_layout_fn", "check_heads", "path_matches", "tp_size"]
