@@ -144,6 +144,7 @@ def save_pipelined(rank, world, path):
     pipe.step(ids, labels=labels)
     opt.step()
     save({"model": pipe.state_dict()}, path)
+    hp.save_pretrained(pipe, path + "_hf")  # the whole model as a Hugging Face folder, from both stages
     return {k: v.detach().clone() for k, v in pipe.named_parameters()}
 
 
@@ -159,6 +160,8 @@ def load_pipelined(rank, world, path):
 
 
 def test_save_pp2_load_one_process_and_pp2(dist2):
+    """checkpoint.save and save_pretrained on pp=2; a checkpoint.load into one process and a meta-built pp=2,
+    and plain transformers from the exported folder: identical parameters."""
     from hyper_parallel.checkpoint import load
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
@@ -176,6 +179,11 @@ def test_save_pp2_load_one_process_and_pp2(dist2):
             assert torch.equal(got[name], value), name
         with torch.no_grad():
             want = model(input_ids=batch()[0]).logits
+        from transformers import AutoModelForCausalLM
+        exported = dict(AutoModelForCausalLM.from_pretrained(path + "_hf").named_parameters())
+        assert set(exported) == set(whole)
+        for name, value in whole.items():
+            assert torch.equal(exported[name], value), name
         for params, logits in dist2.run(load_pipelined, path):
             for name, value in params.items():
                 assert torch.equal(value, whole[name]), name

@@ -59,13 +59,22 @@ def gather_to_rank0(t: torch.Tensor) -> torch.Tensor | None:
         where = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
         if r == me == 0:
             full[where] = local.cpu()
-        elif me == 0:
-            buf = torch.empty(sizes, dtype=t.dtype, device=local.device)
+        elif me == 0:  # rank 0 may hold only a metadata placeholder of `t` (another pipeline stage's)
+            buf = torch.empty(sizes, dtype=t.dtype, device=_receive_device(local))
             dist.recv(buf, src=r)
             full[where] = buf.cpu()
         elif r == me:
             dist.send(local.contiguous(), dst=0)
     return full
+
+
+def _receive_device(local: torch.Tensor) -> torch.device:
+    """Where a piece sent by its owner can be received: the local's device, or the backend's for a placeholder."""
+    if local.device.type != "meta":
+        return local.device
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def parse_size(size: int | str) -> int:
@@ -103,15 +112,18 @@ def _architecture(model: nn.Module) -> str:
 
 
 def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = True,
-              max_shard_size: int | str = "50GB") -> None:
+              max_shard_size: int | str = "50GB", state_dict: dict | None = None) -> None:
     """Write a full Hugging Face checkpoint folder from a (possibly sharded) model; every rank calls it.
 
     The folder appears atomically (temporary folder, then rename); `from_pretrained(path)` loads it.
     Weights past `max_shard_size` (bytes, or "5GB" style) are split over several files with an index.
+    `state_dict`: the whole model's tensors by name, the same keys in the same order on every rank, when
+    `model` holds only part of them (a pipeline stage: its `Pipeline.state_dict()`); `model` then gives the
+    config and the class.
     """
     path = Path(path).absolute()
     me = comm.rank()
-    tensors = _model_tensors(model)
+    tensors = _model_tensors(model) if state_dict is None else [([k], t) for k, t in state_dict.items()]
     files = plan_files(tensors, parse_size(max_shard_size))
     tmp, problems = None, []
     if me == 0:

@@ -41,6 +41,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     if kwargs.get("state_dict") is not None:
         raise ValueError("save_pretrained(state_dict=...): a parallel model is saved from its own parameters; "
                          "load the state dict into the model first")
+    if not isinstance(model, nn.Module) and hasattr(model, "save_pretrained"):  # a Pipeline: its stages' parts
+        return model.save_pretrained(path, max_shard_size=max_shard_size, overwrite=overwrite)
     export_hf(model, path, overwrite=overwrite, max_shard_size=max_shard_size)
 
 

@@ -225,6 +225,12 @@ class Pipeline:
         """
         return whole_state_dict(self)
 
+    def save_pretrained(self, path, *, max_shard_size: int | str = "50GB", overwrite: bool = True) -> None:
+        """The whole model as a standard Hugging Face folder (every rank calls it): each tensor is sent to
+        rank 0 by its stage's owners, so plain transformers loads the folder on one device."""
+        from ...checkpoint.hf import export_hf
+        export_hf(self.model, path, overwrite=overwrite, max_shard_size=max_shard_size, state_dict=self.state_dict())
+
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Load a whole-model state dict (plain tensors): each rank takes its stages' entries."""
         own = self.model.state_dict()
