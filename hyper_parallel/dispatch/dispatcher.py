@@ -607,7 +607,7 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         layout, shape = dec.out_layouts[0], dec.out_shapes[0]
         res = wrap_local(out, layout, shape) if grad and out.requires_grad else make_dtensor(out, layout, shape)
     else:
-        res = _wrap_out(out, dec.out_layouts, dec.out_shapes, grad, iter(range(len(dec.out_layouts))))
+        res = _wrap_outs(out, dec.out_layouts, dec.out_shapes, grad)
     if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0] and type(args[0]) is DTensor:
         moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
         # A view of the unmoved input made without grad needs no note, as on the replicated path: its local is a
