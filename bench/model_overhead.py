@@ -314,7 +314,7 @@ def prepare(backend, name: str, seed: int, new_tokens: int, ref_logits: torch.Te
         if "opt" not in state:
             model.train()
             params = [p for p in model.parameters() if p.requires_grad]
-            state["opt"] = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+            state["opt"] = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01, **OPTIMIZER_KWARGS)
         opt = state["opt"]
         with backend.context():
             opt.zero_grad(set_to_none=True)
@@ -325,6 +325,9 @@ def prepare(backend, name: str, seed: int, new_tokens: int, ref_logits: torch.Te
     return subject
 
 
+# --optimizer: torch's choice on this device (on CPU the per-tensor loop, for plain tensors and DTensors alike),
+# or its multi-tensor kernels (what CUDA picks by default), for every backend alike
+OPTIMIZER_KWARGS: dict = {}
 BLOCK = 5  # consecutive calls of one backend per turn; the first of each block is not timed
 
 
@@ -408,7 +411,7 @@ def machine_line(repeat: int, new_tokens: int, cold_repeat: int) -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}, transformers {tv}, "
             f"1 thread, fp32, {'thread CPU' if CLOCK is time.thread_time else 'wall'} time, median of {repeat} "
             f"forwards / {max(1, repeat // 2)} generates and train steps / {cold_repeat} cold forwards on fresh "
-            f"models, {new_tokens} new tokens")
+            f"models, {new_tokens} new tokens, AdamW {', '.join(OPTIMIZER_KWARGS) or 'default'}")
 
 
 def profile_ours(name: str, seed: int, calls: int = 50, top: int = 10) -> str:
@@ -443,7 +446,11 @@ def main() -> None:
     ap.add_argument("--cold-repeat", type=int, default=3, help="fresh models per cold-forward median")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: thread CPU time (robust on a loaded machine); wall: perf_counter")
+    ap.add_argument("--optimizer", choices=("default", "foreach", "fused"), default="default",
+                    help="the training step's AdamW: torch's default for the device, foreach=True or fused=True")
     args = ap.parse_args()
+    if args.optimizer != "default":
+        OPTIMIZER_KWARGS[args.optimizer] = True
     if args.quick:
         args.repeat, args.new_tokens, args.cold_repeat = 3, 4, 1
     global CLOCK

@@ -421,3 +421,4 @@ def test_metadata_passthrough_with_kwargs_none(path):
     w.grad = rep(torch.ones(3))
     got = DTensor.__torch_function__(torch.Tensor.grad.__get__, (DTensor,), (w,), None)
     assert got is w.grad and DTensor.__torch_function__(torch.is_complex, (DTensor,), (w,), None) is False
+

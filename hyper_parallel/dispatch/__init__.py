@@ -10,6 +10,7 @@ from ..dtensor.dtensor import DTensor
 from ..layout.layout import Layout, replicate_layout
 from . import dispatcher
 from .engine_ops import engine_dispatch
+from .call import LocalReshape
 from .dispatcher import STATS, clear_caches, count_calls, torch_function
 from .registry import _RECORDERS, MissingOpError, load_builtin_rules, record_missing_ops, register_ops
 
@@ -32,7 +33,8 @@ def _accelerated():
     _fastpath.configure_grad(dispatcher._PASSTHROUGH, torch._C._disabled_torch_function_impl, local_input, wrap_local,
                              dispatcher._note_view, dispatcher.torch_function_after_c_grad,
                              _fastpath._under_disabled_torch_function, dispatcher._NOT_HANDLED, dispatcher._NO_KWARGS)
-    _fastpath.configure_decision(dispatcher._RULE_OF, dispatcher._CACHE, _RECORDERS, dispatcher._wrap_outs)
+    _fastpath.configure_decision(dispatcher._RULE_OF, dispatcher._CACHE, _RECORDERS, dispatcher._wrap_outs,
+                                 LocalReshape, torch.Tensor.reshape)
     return _fastpath
 
 

@@ -40,6 +40,8 @@ static PyObject *decisions;           /* dispatcher._CACHE: call key -> Decision
 static PyObject *recorders;           /* registry._RECORDERS: while any records, every call takes the Python path */
 static PyObject *wrap_outs_fn;        /* dispatcher._wrap_outs(out, layouts, shapes, grad) */
 static PyObject *s_float_args_matter, *s_in_layouts, *s_grad_layouts, *s_out_layouts, *s_out_shapes, *s_local_fn;
+static PyTypeObject *local_reshape_type; /* dispatch.call.LocalReshape: a local_fn that is `t.reshape(shape)` */
+static PyObject *tensor_reshape;      /* torch.Tensor.reshape */
 
 /* Returned (never dereferenced, never exposed) when the call must take the Python path. */
 static char not_handled_mark;
@@ -55,7 +57,7 @@ typedef struct {
     Py_ssize_t offset;   /* 0: not a plain object slot, use the generic protocol */
 } Slot;
 
-static Slot dt_local, dt_layout, dt_shape, layout_is_replicate, layout_mesh;
+static Slot dt_local, dt_layout, dt_shape, layout_is_replicate, layout_mesh, reshape_shape;
 
 static int find_slot(Slot *slot, PyTypeObject *type) {
     slot->type = type;
@@ -224,6 +226,26 @@ done:
     return res;
 }
 
+/* dispatcher._wrap_replicated(out, mesh, False) for a list or tuple of plain tensors (what the optimizers'
+   out-of-place _foreach_* ops return), each wrapped as `wrap` does; NOT_HANDLED (before making anything) for any
+   other sequence. */
+static PyObject *wrap_seq(PyObject *out, PyObject *mesh) {
+    int is_list = PyList_CheckExact(out);
+    if (!is_list && !PyTuple_CheckExact(out)) return NOT_HANDLED;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(out);
+    PyObject **items = PySequence_Fast_ITEMS(out);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (Py_TYPE(items[i]) != tensor_type) return NOT_HANDLED;
+    PyObject *res = is_list ? PyList_New(n) : PyTuple_New(n);
+    if (res == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *w = wrap(items[i], mesh);
+        if (w == NULL) { Py_DECREF(res); return NULL; }
+        if (is_list) PyList_SET_ITEM(res, i, w); else PyTuple_SET_ITEM(res, i, w);
+    }
+    return res;
+}
+
 /* An in-place write into a view that was taken of a redistributed copy must raise: the Python path does.
    -1 on error. */
 static int write_is_lost(PyObject *target) {
@@ -237,6 +259,18 @@ static int write_is_lost(PyObject *target) {
     int lost = (view == Py_False);
     Py_XDECREF(view);
     return lost;
+}
+
+/* dispatcher._returns_first_list: `out` is a list holding exactly the locals `loc0` of the first argument `a0` (a list
+   or tuple), as an in-place list-wise op (torch._foreach_mul_) returns them. */
+static int returns_first_list(PyObject *out, PyObject *a0, PyObject *loc0) {
+    if (!PyList_CheckExact(out) || !(PyList_CheckExact(a0) || PyTuple_CheckExact(a0))) return 0;
+    Py_ssize_t n = PyList_GET_SIZE(out);
+    if (PySequence_Fast_GET_SIZE(a0) != n || PySequence_Fast_GET_SIZE(loc0) != n) return 0;
+    PyObject **items = PySequence_Fast_ITEMS(loc0);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyList_GET_ITEM(out, i) != items[i]) return 0;
+    return 1;
 }
 
 /* dispatcher._replicated_local(func, args, kwargs, grad=False, inplace) (`inplace` borrowed from fast_funcs):
@@ -268,8 +302,11 @@ static PyObject *replicated_local(PyObject *func, PyObject *args, PyObject *kwar
     out = PyObject_Call(func, locs, local_kwargs != NULL ? local_kwargs : kwargs);
     if (out == NULL) {
         res = NULL;
+    } else if (returns_first_list(out, PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(locs, 0))) {
+        res = PySequence_List(PyTuple_GET_ITEM(args, 0));  /* in-place list-wise ops: the first list's DTensors */
     } else if (Py_TYPE(out) != tensor_type) {
-        res = PyObject_CallFunctionObjArgs(wrap_other, out, mesh, Py_False, NULL);
+        res = wrap_seq(out, mesh);
+        if (res == NOT_HANDLED) res = PyObject_CallFunctionObjArgs(wrap_other, out, mesh, Py_False, NULL);
     } else if (Py_TYPE(PyTuple_GET_ITEM(args, 0)) == dtensor_type && out == PyTuple_GET_ITEM(locs, 0)) {
         res = PyTuple_GET_ITEM(args, 0);  /* in-place ops, `x.to(x.dtype)`: the same tensor, as torch returns it */
         Py_INCREF(res);
@@ -451,6 +488,34 @@ done:
    arguments, a list, a slice, recording, a replicated call, a cache miss or a decision that redistributes an
    input return NOT_HANDLED before anything has run. Runs inside _disabled_torch_function_impl, as _dispatch runs inside
    DisableTorchFunctionSubclass. */
+/* dispatcher._note_view(res, args, loc0, out, func, largs, {}) for a flat call, without a Python frame: `res` (the
+   wrapped result) views args[0]; `base` is out._base (not None); loc0 the local it was taken of, or NULL when the
+   view was taken of a moved copy (then a write into it would be lost: _view_of = False). 0, or -1 on error. */
+static int note_view_here(PyObject *res, PyObject *args, PyObject *loc0, PyObject *base, PyObject *func,
+                          PyObject *largs) {
+    PyObject *a0 = PyTuple_GET_ITEM(args, 0);
+    if (Py_TYPE(a0) != dtensor_type || Py_TYPE(res) != dtensor_type || res == a0) return 0;
+    int of_loc0 = 0;
+    if (loc0 != NULL) {
+        of_loc0 = (base == loc0);
+        if (!of_loc0) {
+            PyObject *lbase = PyObject_GetAttr(loc0, s_base);
+            if (lbase == NULL) return -1;
+            of_loc0 = (lbase != Py_None && lbase == base);
+            Py_DECREF(lbase);
+        }
+    }
+    if (!of_loc0) return PyObject_SetAttr(res, s_view_of, Py_False);
+    PyObject *rest = PyTuple_GetSlice(largs, 1, PyTuple_GET_SIZE(largs));
+    if (rest == NULL) return -1;
+    PyObject *view = PyTuple_Pack(4, a0, func, rest, empty_dict);
+    Py_DECREF(rest);
+    if (view == NULL) return -1;
+    int r = PyObject_SetAttr(res, s_view_of, view);
+    Py_DECREF(view);
+    return r;
+}
+
 static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, int grad_mode) {
     if (rule_of == NULL || !PyTuple_Check(args)) return NOT_HANDLED;
     if (kwargs != NULL && kwargs != Py_None && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) != 0))
@@ -577,7 +642,15 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
         if (loc == NULL) { res = NULL; goto done; }
         PyTuple_SET_ITEM(largs, i, loc);
     }
-    out = PyObject_Call(local_fn != Py_None ? local_fn : func, largs, NULL);
+    if (Py_TYPE(local_fn) == local_reshape_type) {  /* LocalReshape.__call__: t.reshape(shape), no Python frame */
+        PyObject *shape = get_slot(local_fn, &reshape_shape);
+        if (shape == NULL) { res = NULL; goto done; }
+        PyObject *argv[2] = {PyTuple_GET_ITEM(largs, 0), shape};
+        out = PyObject_Vectorcall(tensor_reshape, argv, 2, NULL);
+        Py_DECREF(shape);
+    } else {
+        out = PyObject_Call(local_fn != Py_None ? local_fn : func, largs, NULL);
+    }
     if (out == NULL) { res = NULL; goto done; }
     PyObject *gflag = grad ? Py_True : Py_False;
     if (out_layouts == Py_None) {
@@ -615,20 +688,18 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
     if (res == NULL || !single || Py_TYPE(PyTuple_GET_ITEM(args, 0)) != dtensor_type) goto done;
     PyObject *base = PyObject_GetAttr(out, s_base);
     if (base == NULL) { Py_CLEAR(res); goto done; }
-    int is_view = (base != Py_None);
-    Py_DECREF(base);
-    if (is_view) {  /* dispatcher._note_view; loc0 None when the view was taken of a moved copy */
+    if (base != Py_None) {  /* dispatcher._note_view; loc0 None when the view was taken of a moved copy */
         PyObject *a0 = PyTuple_GET_ITEM(args, 0);
         PyObject *layout0 = get_slot(a0, &dt_layout);
-        if (layout0 == NULL) { Py_CLEAR(res); goto done; }
-        int moved = PySequence_Fast_GET_ITEM(in_layouts, 0) != layout0 || local_fn != Py_None;
-        Py_DECREF(layout0);
-        if (!moved && !grad_mode) goto done;  /* as _dispatch: a no-grad view of the unmoved input needs no note */
-        PyObject *noted = PyObject_CallFunctionObjArgs(note_view_fn, res, args,
-                                                       moved ? Py_None : PyTuple_GET_ITEM(largs, 0), out, func, largs,
-                                                       empty_dict, NULL);
-        if (noted == NULL) Py_CLEAR(res); else Py_DECREF(noted);
+        int moved = layout0 != NULL && (PySequence_Fast_GET_ITEM(in_layouts, 0) != layout0 || local_fn != Py_None);
+        Py_XDECREF(layout0);
+        /* as _dispatch: a no-grad view of the unmoved input needs no note */
+        if (layout0 == NULL ||
+            ((moved || grad_mode) &&
+             note_view_here(res, args, moved ? NULL : PyTuple_GET_ITEM(largs, 0), base, func, largs) < 0))
+            Py_CLEAR(res);
     }
+    Py_DECREF(base);
 done:
     Py_XDECREF(out);
     Py_XDECREF(largs);
@@ -782,16 +853,18 @@ static PyObject *configure_grad(PyObject *module, PyObject *args) {
 }
 
 static PyObject *configure_decision(PyObject *module, PyObject *args) {
-    PyObject *ro, *dc, *rc, *wo;
-    if (!PyArg_ParseTuple(args, "O!O!O!O:configure_decision", &PyDict_Type, &ro, &PyDict_Type, &dc, &PyList_Type, &rc,
-                          &wo))
+    PyObject *ro, *dc, *rc, *wo, *lr, *tr;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!O:configure_decision", &PyDict_Type, &ro, &PyDict_Type, &dc, &PyList_Type,
+                          &rc, &wo, &PyType_Type, &lr, &tr))
         return NULL;
-    PyObject **slots[] = {&rule_of, &decisions, &recorders, &wrap_outs_fn};
-    PyObject *vals[] = {ro, dc, rc, wo};
-    for (int i = 0; i < 4; i++) {
+    PyObject **slots[] = {&rule_of, &decisions, &recorders, &wrap_outs_fn, (PyObject **)&local_reshape_type,
+                          &tensor_reshape};
+    PyObject *vals[] = {ro, dc, rc, wo, lr, tr};
+    for (int i = 0; i < 6; i++) {
         Py_INCREF(vals[i]);
         Py_XSETREF(*slots[i], vals[i]);
     }
+    if (find_slot(&reshape_shape, local_reshape_type) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -813,11 +886,11 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     PyObject **names[] = {&dt_local.name, &dt_layout.name, &s_shape, &dt_shape.name, &layout_is_replicate.name,
                           &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device, &s_view_of,
                           &s_requires_grad, &s_base, &s_float_args_matter, &s_in_layouts, &s_grad_layouts,
-                          &s_out_layouts, &s_out_shapes, &s_local_fn};
+                          &s_out_layouts, &s_out_shapes, &s_local_fn, &reshape_shape.name};
     const char *texts[] = {"_local", "_layout", "shape", "_shape", "is_replicate", "mesh", "replicated_layouts",
                            "dtype", "device", "_view_of", "requires_grad", "_base",
-                           "float_args_matter", "in_layouts", "grad_layouts", "out_layouts", "out_shapes", "local_fn"};
-    for (int i = 0; i < 18; i++) {
+                           "float_args_matter", "in_layouts", "grad_layouts", "out_layouts", "out_shapes", "local_fn", "shape"};
+    for (int i = 0; i < 19; i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL) return NULL;
     }

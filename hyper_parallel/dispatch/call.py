@@ -60,6 +60,25 @@ class OpCall:
         return ", ".join(repr(s) for s in self.inputs)
 
 
+class LocalReshape:
+    """A `Strategy.local_fn` that reshapes the local shard to one fixed local shape (views and reshapes of
+    split tensors, whose local output shape differs from the global one the caller passed).
+
+    A small class rather than a closure so that the C twin of the decision path (`_fastpath.c`) recognises it
+    and calls `Tensor.reshape` itself, without a Python frame per call; both do exactly `t.reshape(shape)`."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape: tuple):
+        self.shape = tuple(shape)
+
+    def __call__(self, t, *args, **kwargs):
+        return t.reshape(self.shape)
+
+    def __repr__(self):
+        return f"LocalReshape({self.shape})"
+
+
 class Strategy:
     """A rule's answer: target layout per tensor input, layout per tensor output, optional local function.
 

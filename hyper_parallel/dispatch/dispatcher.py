@@ -302,6 +302,17 @@ def _wrap_replicated(out, mesh, grad):
     return out
 
 
+def _returns_first_list(out: list, a0, loc0) -> bool:
+    """An in-place list-wise op (`torch._foreach_mul_`) returns the tensors of its first list: the caller gets that
+    list's own DTensors back, as torch gives back the same tensors (no new wrappers, no aliasing copies)."""
+    if (type(a0) is not list and type(a0) is not tuple) or len(out) != len(a0) or len(loc0) != len(a0):
+        return False
+    for o, loc in zip(out, loc0):
+        if o is not loc:
+            return False
+    return True
+
+
 def _note_view(result, args, loc0, out, func, largs, lkwargs):
     """Remember that `result` views args[0], so an in-place write to it can give the base its history
     (torch's CopySlices); False when the view was taken of a redistributed copy (a write would be lost)."""
@@ -314,12 +325,18 @@ def _note_view(result, args, loc0, out, func, largs, lkwargs):
     return result
 
 
-def _finish_inplace(target, local_out, grad, name="an in-place op"):
-    view = getattr(target, "_view_of", None)
-    if view is False:
+def _refuse_lost_write(target, name="an in-place op") -> None:
+    """Raise, before anything runs (the local shard may be a real view of the original's), when `target` is a view
+    that was taken of a redistributed copy or through a local reshape: the write would not reach the original."""
+    if getattr(target, "_view_of", None) is False:
         raise RuntimeError(f"{name} writes into a view of a DTensor that was redistributed to take the view, so "
                            f"the write would not reach the original tensor ({target._layout}). Write into the "
                            f"original with index assignment (x[...] = v) or redistribute it first.")
+
+
+def _finish_inplace(target, local_out, grad, name="an in-place op"):
+    _refuse_lost_write(target, name)
+    view = getattr(target, "_view_of", None)
     if grad and (target.requires_grad or local_out.requires_grad):
         out = InplaceWrap.apply(target, local_out)
         if view:
@@ -455,6 +472,8 @@ def _replicated_local(func, args, kwargs, grad, inplace):
                 locs[i] = type(locs[i])(seq)
     out = func(*locs, **kwargs) if kwargs else func(*locs)
     if type(out) is not Tensor:
+        if type(out) is list and _returns_first_list(out, a0, locs[0]):
+            return list(a0)
         return _wrap_replicated(out, mesh, grad)
     if type(a0) is DTensor and out is locs[0]:  # in-place ops, `x.to(x.dtype)`: the same tensor, as in torch
         return a0
@@ -480,6 +499,8 @@ def _dispatch(func, args, kwargs, try_replicated=True):
     if entry is None:
         entry = _resolve(func)
     name, rule, inplace = entry
+    if inplace and args and type(args[0]) is DTensor:
+        _refuse_lost_write(args[0], name)
     leaves = []
     flat = True  # tensors only directly among positional args: the hot path can skip rebuilding structure
     for a in args:
@@ -493,6 +514,10 @@ def _dispatch(func, args, kwargs, try_replicated=True):
             if isinstance(v, Tensor) or type(v) is list or type(v) is tuple:
                 flat = False
     if not flat:
+        if rule is not None and rule.listwise and not _RECORDERS and not _is_grad_enabled():
+            out = _listwise_local(func, args, kwargs)
+            if out is not _NOT_HANDLED:
+                return out
         leaves = []
         _collect(args, leaves)
         if kwargs:
@@ -615,6 +640,80 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         if moved or grad_mode:
             _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
     return res
+
+
+# ---- list-wise ops (the optimizers' _foreach_* and _fused_* kernels) -----------------------------------------
+def _listwise_arg(a, first, layouts, mesh):
+    """One argument of a list-wise call on local shards, or _NOT_HANDLED: a list (of the first list's length)
+    whose DTensors are laid out and shaped like the first list's element at the same index, a 0-d tensor (a
+    replicated value: a step count, a learning rate, a grad scale), or a value that is not a tensor."""
+    t = type(a)
+    if t is list or t is tuple:
+        if not a:
+            return a
+        if len(a) != len(first):
+            return _NOT_HANDLED
+        seq = []
+        for b, f, lay in zip(a, first, layouts):
+            if type(b) is DTensor:
+                if b._layout is not lay or b._shape != f._shape:
+                    return _NOT_HANDLED
+                seq.append(b._local)
+            elif isinstance(b, Tensor) and b.ndim != 0:
+                return _NOT_HANDLED
+            else:
+                seq.append(b)
+        return seq
+    if t is DTensor:
+        lay = a._layout
+        return a._local if a.ndim == 0 and lay.is_replicate and lay.mesh is mesh else _NOT_HANDLED
+    if isinstance(a, Tensor) and a.ndim != 0:
+        return _NOT_HANDLED
+    return a
+
+
+def _listwise_local(func, args, kwargs):
+    """A list-wise op (`Rule.listwise`: element i of every list is laid out like element i of the first, the
+    update is elementwise on the shards) whose arguments are already so, without grad: it runs once on the lists
+    of local shards, with no decision, no cache key and no per-tensor redistribution check beyond one `is` per
+    tensor; outputs take the first list's layouts and global shapes. An optimizer step with `foreach=True` or
+    `fused=True` makes a dozen such calls per parameter group instead of a dozen dispatched ops per parameter.
+    Anything else (pending sums, other layouts, broadcast shapes, mixed meshes) returns _NOT_HANDLED before
+    running anything, for the general path to decide."""
+    first = args[0] if args else None
+    if (type(first) is not list and type(first) is not tuple) or not first:
+        return _NOT_HANDLED
+    layouts = []
+    locs = []
+    mesh = None
+    for t in first:
+        if type(t) is not DTensor:
+            return _NOT_HANDLED
+        lay = t._layout
+        if lay.has_partial or (mesh is not None and lay.mesh is not mesh):
+            return _NOT_HANDLED
+        mesh = lay.mesh
+        layouts.append(lay)
+        locs.append(t._local)
+    largs = [locs]
+    for a in args[1:]:
+        la = _listwise_arg(a, first, layouts, mesh)
+        if la is _NOT_HANDLED:
+            return _NOT_HANDLED
+        largs.append(la)
+    lkwargs = _NO_KWARGS
+    if kwargs:
+        lkwargs = {}
+        for k, v in kwargs.items():
+            lv = _listwise_arg(v, first, layouts, mesh)
+            if lv is _NOT_HANDLED:
+                return _NOT_HANDLED
+            lkwargs[k] = lv
+    out = func(*largs, **lkwargs)
+    if type(out) is list or type(out) is tuple:  # one shard per element of the first list (in place: the same)
+        return type(out)([f if o is loc else make_dtensor(o, lay, f._shape)
+                          for o, loc, lay, f in zip(out, locs, layouts, first)])
+    return out
 
 
 def _returned_input(out, locs, leaves):

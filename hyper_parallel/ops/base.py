@@ -15,6 +15,10 @@ class Rule:
 
     float_args_matter = False   # do float arguments change the decision (e.g. interpolate's scale)?
     replicated_local = True     # all inputs replicated -> run locally, outputs replicated
+    # Element i of every list argument is laid out like element i of the first list and the op is elementwise on
+    # the shards (the optimizers' _foreach_* / _fused_* kernels): when the arguments already are so, the
+    # dispatcher runs the call on the lists of local shards without a decision (dispatcher._listwise_local).
+    listwise = False
     # Tensor inputs (by position among the call's tensors) that only lend their shape or dtype: `view_as`,
     # `expand_as`, `type_as`, `to(other)`. The dispatcher leaves them where they are (no communication) and
     # keeps their splits out of the gradient duality: a donor split over an axis does not split the

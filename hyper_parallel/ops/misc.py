@@ -292,13 +292,17 @@ class Histc(SignatureRule):
 
 
 class Foreach(Rule):
-    """`torch._foreach_*` (optimizers' multi-tensor path): element i of every list is laid out like
-    element i of the first list (a parameter and its gradient and states), and stays so.
+    """`torch._foreach_*` and the fused optimizer kernels `torch._fused_adam(w)_/_sgd_/_adagrad_` (optimizers'
+    multi-tensor paths): element i of every list is laid out like element i of the first list (a parameter and
+    its gradient and states), and stays so; the update is elementwise on the shards.
 
     The first list is never moved (the in-place forms update it); the other lists are moved to it
     (a no-op in an optimizer, where gradients and states share the parameter's layout). Tensors outside
-    lists (a 0-d step size) are replicated.
+    lists (a 0-d step size) and 0-d tensors inside them (the fused kernels' step counts) are replicated.
+    When every list already lies so, the dispatcher skips the decision (`listwise`).
     """
+
+    listwise = True
 
     # which ops keep pending sums: the ones that scale (mul/div by a scalar) or copy
     linear = ("_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_zero", "_foreach_copy")
@@ -326,7 +330,8 @@ class Foreach(Rule):
         for count, is_list in groups[1:]:
             for j in range(count):
                 spec = call.inputs[pos + j]
-                ins.append(firsts[j] if is_list and count == n else _repl(spec))
+                same = is_list and count == n and spec.ndim == call.inputs[j].ndim
+                ins.append(firsts[j] if same else _repl(spec))
             pos += count
         outs = [] if call.out_shapes is None else [firsts[i % n] for i in range(len(call.out_shapes))]
         return Strategy(ins, outs)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..dispatch.call import OpCall, Strategy
+from ..dispatch.call import LocalReshape, OpCall, Strategy
 from ..layout.chunks import piece
 from ..layout.layout import Layout, replicate_layout
 from .base import Partial, Rule, Shard, Signature, SignatureRule
@@ -220,10 +220,8 @@ class View(Rule):
         out_shape = call.out_shapes[0]
         keep, limit = view_plan(x.layout, x.shape, out_shape)
         in_lay, out_lay = derive(x.layout, len(out_shape), keep, None, ALL_OPS, limit)
-        local_out = local_shape(out_lay, out_shape)
         # reshape even for view: a gathered local piece need not be contiguous, though the global is
-        def fn(t, *args, **kwargs):
-            return t.reshape(local_out)
+        fn = LocalReshape(local_shape(out_lay, out_shape))
         ins = [in_lay] + [s.layout for s in call.inputs[1:]]  # view_as's argument only gives a shape
         return Strategy(ins, [out_lay], fn)
 

@@ -1,0 +1,86 @@
+"""Views of split tensors on 2 real ranks (issue 19): the C twin of the decision path (`_fastpath.c`, which runs
+`LocalReshape` and notes views without a Python frame) against the Python path, and both against plain torch."""
+import math
+
+import torch
+
+import hyper_parallel as hp
+import hyper_parallel.dispatch as dispatch_pkg
+from hyper_parallel.dispatch import dispatcher
+from hyper_parallel.dtensor.dtensor import DTensor
+
+try:
+    from hypothesis import given, settings, strategies as st
+except ImportError:  # pragma: no cover - hypothesis is in requirements-dev.txt
+    given = None
+
+# ---- views of split tensors on 2 real ranks: the C twin of the decision path against the Python path ---------------
+_VIEW_OPS = {
+    "view flat": lambda t: t.view(-1),
+    "reshape merge": lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]),
+    "flatten": lambda t: t.flatten(),
+    "unflatten": lambda t: t.unflatten(0, (1, t.shape[0])),
+    "transpose": lambda t: t.transpose(0, 1),
+    "t then view": lambda t: t.transpose(0, 1).contiguous().view(-1),
+    "unsqueeze": lambda t: t.unsqueeze(1),
+    "view as": lambda t: t.view_as(t.reshape(t.shape)),
+}
+
+
+def _views_on_two_ranks(rank, world, shape, split_dim, op_names, grad_mode):
+    """Each view op on a tensor split over dim `split_dim` (2 ranks): values, layouts, gradients and a refused write
+    through the view are the same through the C twin and the Python path (warm calls: cache hits), and equal plain."""
+    mesh = hp.Layout((2,), ("tp",))
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) / 7
+    placements = ["tp" if d == split_dim else "None" for d in range(len(shape))]
+    impls = {"c": dispatch_pkg._fastpath.torch_function, "python": dispatcher.torch_function}
+    saved = DTensor.__dict__["__torch_function__"]
+    try:
+        for name in op_names:
+            fn = _VIEW_OPS[name]
+            want = fn(full)
+            got = {}
+            for impl_name, impl in impls.items():
+                DTensor.__torch_function__ = staticmethod(impl)
+                for _ in range(2):  # the second call is a cache hit
+                    x = hp.distribute_tensor(full.clone(), mesh(*placements))
+                    if grad_mode:
+                        x.requires_grad_()
+                    with torch.set_grad_enabled(grad_mode):
+                        y = fn(x)
+                    refused = False
+                    if grad_mode:
+                        (y * y).sum().backward()
+                    else:  # a write through the view: reaches the original, or is refused loudly, the same on both
+                        try:
+                            y.add_(1)
+                        except RuntimeError:
+                            refused = True
+                got[impl_name] = (y.full_tensor() - (0 if refused or grad_mode else 1), y.dist_layout, refused,
+                                  x.grad.full_tensor() if grad_mode else None, x.full_tensor())
+            c, p = got["c"], got["python"]
+            assert torch.equal(c[0], p[0]) and c[1] is p[1] and c[2] == p[2], (name, shape, split_dim)
+            assert torch.equal(c[4], p[4]), (name, shape, split_dim)
+            assert torch.allclose(c[0], want), (name, shape, split_dim)
+            if grad_mode:
+                assert torch.equal(c[3], p[3]) and torch.allclose(c[3], 2 * full), (name, shape, split_dim)
+    finally:
+        DTensor.__torch_function__ = saved
+    return True
+
+
+def test_views_of_split_tensors_c_twin_equals_python_on_two_ranks(dist2):
+    for grad_mode in (False, True):
+        assert dist2.run(_views_on_two_ranks, (4, 6), 0, sorted(_VIEW_OPS), grad_mode) == [True, True]
+
+
+if given is not None:
+    @settings(max_examples=8, deadline=None)
+    @given(shape=st.lists(st.integers(1, 6), min_size=2, max_size=3), split_dim=st.integers(0, 2),
+           ops=st.lists(st.sampled_from(sorted(_VIEW_OPS)), min_size=1, max_size=3), grad_mode=st.booleans())
+    def test_random_split_layouts_and_views_c_twin_equals_python(shape, split_dim, ops, grad_mode):
+        """Property: random shapes (uneven splits included), a random split dim, random view ops, on 2 ranks: the C
+        twin of the decision path and the Python path agree exactly, and equal plain torch."""
+        from tests import harness
+        split_dim = min(split_dim, len(shape) - 1)
+        assert harness.pool(2).run(_views_on_two_ranks, tuple(shape), split_dim, ops, grad_mode) == [True, True]
