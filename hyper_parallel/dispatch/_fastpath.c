@@ -766,6 +766,15 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The configure_* functions: keep a reference to each of `vals` in the matching static of `slots`. */
+static PyObject *keep_all(PyObject **slots[], PyObject *vals[], int n) {
+    for (int i = 0; i < n; i++) {
+        Py_INCREF(vals[i]);
+        Py_XSETREF(*slots[i], vals[i]);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *configure_grad(PyObject *module, PyObject *args) {
     PyObject *pt, *di, *li, *wl, *nv, *gd, *ge, *nh, *ed;
     if (!PyArg_ParseTuple(args, "O!OOOOOOOO!:configure_grad", &PySet_Type, &pt, &di, &li, &wl, &nv, &gd, &ge, &nh,
@@ -774,11 +783,7 @@ static PyObject *configure_grad(PyObject *module, PyObject *args) {
     PyObject **slots[] = {&passthrough, &disabled_impl, &local_input_fn, &wrap_local_fn, &note_view_fn,
                           &grad_declined, &grad_entry, &not_handled_obj, &empty_dict};
     PyObject *vals[] = {pt, di, li, wl, nv, gd, ge, nh, ed};
-    for (int i = 0; i < 9; i++) {
-        Py_INCREF(vals[i]);
-        Py_XSETREF(*slots[i], vals[i]);
-    }
-    Py_RETURN_NONE;
+    return keep_all(slots, vals, 9);
 }
 
 static PyObject *configure_decision(PyObject *module, PyObject *args) {
@@ -1013,11 +1018,7 @@ static PyObject *configure_engine(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOO:configure_engine", &ed, &dt, &al)) return NULL;
     PyObject **slots[] = {&engine_dispatch_py, &aten_detach, &aten_alias};
     PyObject *vals[] = {ed, dt, al};
-    for (int i = 0; i < 3; i++) {
-        Py_INCREF(vals[i]);
-        Py_XSETREF(*slots[i], vals[i]);
-    }
-    Py_RETURN_NONE;
+    return keep_all(slots, vals, 3);
 }
 
 /* as_method(f): f bound as a method of the instances of the class it is set on (PyInstanceMethod), so that
@@ -1033,11 +1034,7 @@ static PyObject *configure_nodes(PyObject *module, PyObject *args) {
     PyObject **slots[] = {&wrap_apply, &unwrap_apply, &functorch_active, &wrap_local_py, &local_input_py,
                           &local_grad_py, &unwrap_forward_py, &unwrap_backward_py, &size_type};
     PyObject *vals[] = {wa, ua, fa, wl, li, lg, uf, ub, sz};
-    for (int i = 0; i < 9; i++) {
-        Py_INCREF(vals[i]);
-        Py_XSETREF(*slots[i], vals[i]);
-    }
-    Py_RETURN_NONE;
+    return keep_all(slots, vals, 9);
 }
 
 static PyMethodDef methods[] = {
