@@ -452,6 +452,20 @@ def test_the_autograd_nodes_run_in_c():
     assert seen == [] and type(w1.grad) is DTensor and type(w2.grad) is DTensor
 
 
+def test_the_engines_detach_and_alias_of_a_dtensor(path):
+    """What AccumulateGrad runs on every gradient it stores (below __torch_function__): the same wrapper around the
+    detached local, through __torch_dispatch__'s C twin and through engine_ops; other engine ops still answered."""
+    w = torch.nn.Parameter(split(torch.randn(4, 3)))
+    with torch._C.DisableTorchFunctionSubclass():
+        for op in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            d = op(w)
+            assert type(d) is DTensor and d._layout is w._layout and d.shape == w.shape
+            assert d._local.data_ptr() == w._local.data_ptr() and not d._local.requires_grad
+            assert d.requires_grad == (op is torch.ops.aten.alias.default)  # alias is differentiable, as in torch
+        z = torch.ops.aten.zeros_like.default(w)
+        assert type(z) is DTensor and z._layout is w._layout and not z._local.any()
+
+
 def test_metadata_passthrough_with_kwargs_none(path):
     """__torch_function__(func, types, args, None), as check mode's wrapper calls it: the wrapper's own value."""
     w = torch.nn.Parameter(rep(torch.randn(3)))

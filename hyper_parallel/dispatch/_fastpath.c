@@ -994,7 +994,8 @@ static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssiz
         PyObject *x = PyTuple_GET_ITEM(args, 0), *res = NULL;
         PyObject *local = get_slot(x, &dt_local), *layout = get_slot(x, &dt_layout), *shape = get_slot(x, &dt_shape);
         if (local != NULL && layout != NULL && shape != NULL) {
-            PyObject *out = PyObject_CallOneArg(func, local);
+            /* the Tensor method, not the OpOverload (whose __call__ is a Python frame): the same aten op */
+            PyObject *out = func == aten_detach ? PyObject_CallMethodNoArgs(local, s_detach) : PyObject_CallOneArg(func, local);
             if (out != NULL) {
                 res = new_dtensor(out, layout, shape);
                 Py_DECREF(out);
