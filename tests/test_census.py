@@ -288,3 +288,10 @@ def test_type_census_tensor_parallel():
     llama, bert = report.results
     assert llama.status == "ok", llama.why
     assert bert.status == "no tp plan"
+
+
+def test_op_name_of_a_higher_order_operator_is_stable():
+    """Reports name a higher-order operator (custom autograd.Function under functorch) by its name, not by
+    an object address that changes from run to run."""
+    from torch._functorch.autograd_function import custom_function_call
+    assert registry.op_name(custom_function_call) == "torch.ops.higher_order.custom_function_call"
