@@ -80,6 +80,16 @@ def engine_dispatch(func, args, kwargs):
     if handler is None:
         raise RuntimeError(
             f"hyper_parallel: aten op {func} reached DTensor below __torch_function__ (args: "
-            f"{[type(a).__name__ for a in args]}). This path bypassed the dispatcher; please report it with "
-            f"the code that called it.")
+            f"{[type(a).__name__ for a in args]}). {_why_bypassed()}")
     return handler(func, args, kwargs)
+
+
+def _why_bypassed() -> str:
+    """What to do, for the one bypass we can name: a backward (a custom autograd.Function's, a hook, a checkpoint
+    recomputation) run by an engine that inherited a caller's disabled torch-function state."""
+    if torch._C._current_autograd_node() is not None and not torch._C._is_torch_function_enabled():
+        return ("It ran inside a backward that was started with subclass torch functions disabled (the autograd "
+                "engine keeps the caller's state), so the backward's own ops could not reach the dispatcher: start "
+                "the backward outside torch._C.DisableTorchFunctionSubclass (DTensor's .backward(), "
+                "torch.autograd.backward and torch.autograd.grad on DTensors re-enable it for the engine).")
+    return "This path bypassed the dispatcher; please report it with the code that called it."
