@@ -164,6 +164,48 @@ def test_functions_on_split_dtensors_two_ranks(dist2, x_entries, w_entries):
     assert not failures, failures
 
 
+class Linear(torch.autograd.Function):
+    """x @ w with its own backward: on a batch-split x the weight's gradient is a pending sum."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.t(), x.t() @ g
+
+
+def _pending_sum_gradient(rank, world):
+    """A Function's gradient for a leaf parameter reaches it as the backward made it (here a pending sum); the
+    engine's copies of it (aten.clone below __torch_function__) keep it pending, and a second backward adds."""
+    mesh = hp.Layout((world,), ("tp",))
+    g = torch.Generator().manual_seed(3)
+    x0, w0 = torch.randn(4, 6, generator=g), torch.randn(6, 8, generator=g)
+    w = torch.nn.Parameter(hp.distribute_tensor(w0, mesh("None", "None"), src_data_rank=None))
+    x = hp.distribute_tensor(x0, mesh("tp", "None"), src_data_rank=None)
+    out = []
+    for _ in range(2):
+        Linear.apply(x, w).pow(2).sum().backward()
+    wr = w0.clone().requires_grad_()
+    for _ in range(2):
+        Linear.apply(x0, wr).pow(2).sum().backward()
+    if type(w.grad) is not DTensor or not torch.allclose(w.grad.full_tensor(), wr.grad, rtol=1e-5, atol=1e-5):
+        out.append(f"accumulated gradient differs: {w.grad!r}")
+    with torch._C.DisableTorchFunctionSubclass():  # where the engine calls it: below __torch_function__
+        copied = torch.ops.aten.clone.default(w.grad)
+    if copied.dist_layout is not w.grad.dist_layout or not torch.equal(copied.full_tensor(), w.grad.full_tensor()):
+        out.append(f"clone changed the gradient: {copied.dist_layout} vs {w.grad.dist_layout}")
+    return out
+
+
+def test_pending_sum_gradients_through_the_engine_two_ranks(dist2):
+    failures = [f for per_rank in dist2.run(_pending_sum_gradient) for f in per_rank]
+    assert not failures, failures
+
+
 # ---- property: random chains through a Function, replicated, vs plain ------------------------------------------
 try:
     from hypothesis import given, settings, strategies as st

@@ -40,9 +40,16 @@ def _alias(func, args, kwargs):
 
 
 def _like(func, args, kwargs):
+    """New values shaped like x (ones, zeros, empty): nothing is pending on them."""
     x = args[0]
     layout = x._layout.without_partial()
     return make_dtensor(func(x._local, **kwargs), layout, x._shape)
+
+
+def _clone(func, args, kwargs):
+    """A copy of x's values, pending reductions included (a gradient the engine copies may be a pending sum)."""
+    x = args[0]
+    return make_dtensor(func(x._local, **kwargs), x._layout, x._shape)
 
 
 def _copy(func, args, kwargs):
@@ -66,7 +73,7 @@ _HANDLERS = {
     aten.ones_like.default: _like,
     aten.zeros_like.default: _like,
     aten.empty_like.default: _like,
-    aten.clone.default: _like,
+    aten.clone.default: _clone,
     aten.add.Tensor: _same_layout,
     aten.add_.Tensor: _same_layout,
     aten.mul.Tensor: _same_layout,
