@@ -114,7 +114,8 @@ class TypeResult:
                 for mode, run in (d.get("runs") or {}).items()]
         return cls(model_type, head=d.get("head", ""), built=bool(d.get("built")),
                    build_error=(d.get("why") or "the type was not built") if status == "not built" else None,
-                   runs=runs, seconds=float(d.get("seconds") or 0.0), timed_out=status == "timeout",
+                   runs=runs, seconds=float(d.get("seconds") or 0.0), cpu_seconds=d.get("cpu_seconds"),
+                   timed_out=status == "timeout",
                    skipped=status if status == "no tp plan" else None, fed=list(d.get("fed") or []))
 
     def to_dict(self) -> dict:
