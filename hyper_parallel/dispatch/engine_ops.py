@@ -40,9 +40,16 @@ def _alias(func, args, kwargs):
 
 
 def _like(func, args, kwargs):
+    """New values shaped like x (ones, zeros, empty): nothing is pending on them."""
     x = args[0]
     layout = x._layout.without_partial()
     return make_dtensor(func(x._local, **kwargs), layout, x._shape)
+
+
+def _clone(func, args, kwargs):
+    """A copy of x's values, pending reductions included (a gradient the engine copies may be a pending sum)."""
+    x = args[0]
+    return make_dtensor(func(x._local, **kwargs), x._layout, x._shape)
 
 
 def _copy(func, args, kwargs):
@@ -66,7 +73,7 @@ _HANDLERS = {
     aten.ones_like.default: _like,
     aten.zeros_like.default: _like,
     aten.empty_like.default: _like,
-    aten.clone.default: _like,
+    aten.clone.default: _clone,
     aten.add.Tensor: _same_layout,
     aten.add_.Tensor: _same_layout,
     aten.mul.Tensor: _same_layout,
@@ -80,6 +87,16 @@ def engine_dispatch(func, args, kwargs):
     if handler is None:
         raise RuntimeError(
             f"hyper_parallel: aten op {func} reached DTensor below __torch_function__ (args: "
-            f"{[type(a).__name__ for a in args]}). This path bypassed the dispatcher; please report it with "
-            f"the code that called it.")
+            f"{[type(a).__name__ for a in args]}). {_why_bypassed()}")
     return handler(func, args, kwargs)
+
+
+def _why_bypassed() -> str:
+    """What to do, for the one bypass we can name: a backward (a custom autograd.Function's, a hook, a checkpoint
+    recomputation) run by an engine that inherited a caller's disabled torch-function state."""
+    if torch._C._current_autograd_node() is not None and not torch._C._is_torch_function_enabled():
+        return ("It ran inside a backward that was started with subclass torch functions disabled (the autograd "
+                "engine keeps the caller's state), so the backward's own ops could not reach the dispatcher: start "
+                "the backward outside torch._C.DisableTorchFunctionSubclass (DTensor's .backward(), "
+                "torch.autograd.backward and torch.autograd.grad on DTensors re-enable it for the engine).")
+    return "This path bypassed the dispatcher; please report it with the code that called it."

@@ -51,6 +51,18 @@ _HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_dim", "kv_channels", "qk_h
 _EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total"}
 _TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts", "moe_k", "router_topk"}
 _VOCAB_KEYS = {"vocab_size", "text_vocab_size"}
+# the chunk of a state-space scan (Mamba-2 pads the sequence to it and builds chunk x chunk matrices) and the
+# window of sliding-window attention (Longformer pads the sequence to it): at their defaults (256, 512) the tiny
+# model spends nearly all of its time on padding
+_CHUNK_KEYS = {"chunk_size", "mamba_chunk_size"}
+_WINDOW_KEYS = {"attention_window"}
+CHUNK, WINDOW = 16, 8
+# low-rank projections (DeepSeek's MLA) and the side attentions of sparse / linear-attention layers (DSA's
+# indexer, linear attention): widths of their own, not derived from hidden_size, thousands wide by default
+_RANK_KEYS = {"q_lora_rank", "kv_lora_rank"}
+_SIDE_HEAD_KEYS = {"index_n_heads", "linear_num_heads"}
+_SIDE_HEAD_DIM_KEYS = {"index_head_dim", "linear_head_dim"}
+RANK = 32
 _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
              "max_source_positions", "max_target_positions", "seq_length"}
 
@@ -137,6 +149,16 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             d[key] = _small(value, VOCAB)
         elif key in _POS_KEYS:
             d[key] = _small(value, 512)
+        elif key in _RANK_KEYS:
+            d[key] = _small(value, RANK)
+        elif key in _SIDE_HEAD_KEYS:
+            d[key] = _small(value, HEADS_N)
+        elif key in _SIDE_HEAD_DIM_KEYS:  # wider than HEAD_DIM: the indexer's rotary part is HEAD_DIM of it
+            d[key] = _small(value, 2 * HEAD_DIM)
+        elif key in _CHUNK_KEYS:
+            d[key] = _small(value, CHUNK)
+        elif key in _WINDOW_KEYS:  # Longformer's is one even window or one per layer
+            d[key] = [_small(v, WINDOW) for v in value] if isinstance(value, list) else _small(value, WINDOW)
         elif "dropout" in key or key in ("drop_path_rate", "layerdrop", "encoder_layerdrop", "decoder_layerdrop",
                                          "router_jitter_noise", "attention_probs_dropout_prob",
                                          "hidden_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop"):

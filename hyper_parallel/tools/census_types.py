@@ -12,6 +12,7 @@ import copy
 import json
 import multiprocessing as mp
 import os
+import resource
 import socket
 import time
 import traceback
@@ -34,6 +35,7 @@ class TypeResult:
     build_error: str | None = None
     runs: list = field(default_factory=list)   # RunReport
     seconds: float = 0.0
+    cpu_seconds: float | None = None           # CPU time of the type's process (the slowest rank's), from /proc
     timed_out: bool = False
     skipped: str | None = None                 # why the type was not run (e.g. no tp plan for --tp)
     fed: list = field(default_factory=list)    # the modalities its inputs feed (text, image, video, audio)
@@ -112,13 +114,15 @@ class TypeResult:
                 for mode, run in (d.get("runs") or {}).items()]
         return cls(model_type, head=d.get("head", ""), built=bool(d.get("built")),
                    build_error=(d.get("why") or "the type was not built") if status == "not built" else None,
-                   runs=runs, seconds=float(d.get("seconds") or 0.0), timed_out=status == "timeout",
+                   runs=runs, seconds=float(d.get("seconds") or 0.0), cpu_seconds=d.get("cpu_seconds"),
+                   timed_out=status == "timeout",
                    skipped=status if status == "no tp plan" else None, fed=list(d.get("fed") or []))
 
     def to_dict(self) -> dict:
         return {"head": self.head, "fed": self.fed, "built": self.built, "plain_ok": self.plain_ok, "status": self.status,
                 "ops": dict(sorted(self.ops.items())), "missing": dict(sorted(self.missing.items())),
-                "equal": self.equal, "seconds": round(self.seconds, 2), "why": self.why,
+                "equal": self.equal, "seconds": round(self.seconds, 2),
+                "cpu_seconds": None if self.cpu_seconds is None else round(self.cpu_seconds, 2), "why": self.why,
                 "runs": {r.mode: {k: v for k, v in asdict(r).items() if k not in ("model", "mode")}
                          for r in self.runs}}
 
@@ -150,9 +154,10 @@ class TypeCensus:
         statuses: dict = {}
         for r in self.results:
             statuses[r.status] = statuses.get(r.status, 0) + 1
+        cpu = [r.cpu_seconds for r in self.results if r.cpu_seconds is not None]
         return {"scenario": self.scenario, "types": len(self.results), "plain_ok": len(counted), "ok": len(ok),
                 "ok_share": round(len(ok) / len(counted), 4) if counted else None,
-                "statuses": statuses, "seconds": round(self.seconds, 1)}
+                "statuses": statuses, "seconds": round(self.seconds, 1), "cpu_seconds": round(sum(cpu), 1)}
 
     def missing_union(self) -> dict:
         """op -> number of types that miss it (most common first)."""
@@ -293,7 +298,8 @@ def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, r
                 conn.send(("run", md, asdict(r)))
     finally:
         if rank == 0:
-            conn.send(("done", None, None))
+            use = resource.getrusage(resource.RUSAGE_SELF)
+            conn.send(("done", use.ru_utime + use.ru_stime, None))
         conn.close()
         if world > 1:
             import torch.distributed as dist
@@ -307,6 +313,41 @@ class _Job:
     procs: list
     conn: object
     start: float
+    cpu: float | None = None  # the slowest rank's CPU seconds, as last read
+    progressed: float = 0.0   # when they last grew
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+WALL_FACTOR = 4  # a type is killed after `timeout` CPU seconds, or this many times `timeout` of wall time
+STALL = 60.0     # ... or when its CPU time has not moved for this many seconds (a hang burns no CPU)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc); None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14, 15 of stat)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _over_time(job: _Job, timeout: float) -> bool:
+    """Whether a running job has used up its time: `timeout` seconds of CPU (its slowest rank's), so that on a
+    machine shared with other work a type that is merely waiting for a core is not killed. Wall time decides
+    where CPU time cannot be read (`timeout`), for a job that stopped using CPU (a hang: `STALL` seconds without
+    progress, once `timeout` has passed) and in any case after WALL_FACTOR times `timeout`."""
+    now = time.perf_counter()
+    wall = now - job.start
+    if wall <= timeout:
+        return False
+    cpus = [_cpu_seconds(p.pid) for p in job.procs if p.is_alive()]
+    if not cpus or any(c is None for c in cpus):
+        return True
+    cpu = max(cpus)
+    if job.cpu is None or cpu > job.cpu:
+        job.cpu, job.progressed = cpu, now
+    return cpu > timeout or wall > WALL_FACTOR * timeout or now - job.progressed > STALL
 
 
 def _start(model_type: str, modes: tuple, max_new_tokens: int, seed: int, record: bool, scenario: str,
@@ -347,6 +388,7 @@ def _drain(job: _Job) -> bool:
             elif kind == "run":
                 job.result.runs.append(RunReport(**b))
             elif kind == "done":
+                job.result.cpu_seconds = a
                 return True
     except (EOFError, OSError):
         return True
@@ -361,6 +403,8 @@ def _finish_job(job: _Job, timed_out: bool) -> TypeResult:
             p.join(timeout=5)
     job.result.seconds = time.perf_counter() - job.start
     job.result.timed_out = timed_out
+    if job.result.cpu_seconds is None:
+        job.result.cpu_seconds = job.cpu
     if not timed_out and not job.result.built and not job.result.build_error:
         codes = [p.exitcode for p in job.procs]
         job.result.build_error = f"the type's process died (exit codes {codes})"
@@ -404,7 +448,8 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
     Single-card by default (one process per type, inputs and parameters replicated on the census layout);
     `dp=N`: N gloo processes per type with the batch split; `tp=N`: N gloo processes per type with
     `shard(model, "auto")` (types whose config declares no base_model_tp_plan are listed as "no tp plan").
-    `jobs` types run at once; a type that has not finished after `timeout` seconds is killed ("timeout").
+    `jobs` types run at once; a type that has used `timeout` seconds of CPU without finishing is killed
+    ("timeout"; see `_over_time` for the wall-time bounds that catch hangs).
     """
     _preload()
     from .auto_models import has_tp_plan
@@ -425,6 +470,7 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
         if progress is not None:
             progress(f"[{len(done)}/{len(names)}] {r.model_type}: {r.status}, {len(r.ops)} ops, "
                      f"{len(r.missing)} missing, equal={r.equal}, {r.seconds:.1f}s"
+                     + (f" ({r.cpu_seconds:.1f}s CPU)" if r.cpu_seconds is not None else "")
                      + (f" ({r.why[:160]})" if r.why else ""))
 
     while pending or running:
@@ -444,7 +490,7 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
             finished = _drain(job)
             if not finished and all(not p.is_alive() for p in job.procs):
                 finished = _drain(job) or True
-            over = time.perf_counter() - job.start > timeout
+            over = not finished and _over_time(job, timeout)
             if finished or over:
                 running.remove(job)
                 report(_finish_job(job, timed_out=over and not finished))

@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                         "merged report with --json / --markdown (FILE itself is only read)")
     c.add_argument("--jobs", type=int, default=1, metavar="N", help="--model-type: types run at once (default 1)")
     c.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="--model-type: seconds a type may take before it is killed (default 300)")
+                   help="--model-type: CPU seconds a type may use before it is killed (default 300; a type that stops "
+                        "using CPU for a minute, or runs 4x this long on the wall clock, is killed too)")
     c.add_argument("--tp", type=int, default=0, metavar="N",
                    help="--model-type: N gloo processes per type, the model laid out by shard(model, 'auto') "
                         "(types whose config has no base_model_tp_plan are listed as such)")

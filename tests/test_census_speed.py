@@ -1,0 +1,71 @@
+"""The census's time: scan chunks and attention windows shrunk with the rest of the tiny config, CPU seconds
+reported per type, and timeouts counted in CPU time (a loaded machine does not time out a type that waits for a
+core), with wall-clock bounds that still catch hangs."""
+import multiprocessing as mp
+import time
+
+from hyper_parallel.tools import census_types
+from hyper_parallel.tools.auto_models import CHUNK, WINDOW, shrink_config_dict, tiny_config
+
+
+def test_scan_chunks_and_attention_windows_are_shrunk():
+    d = shrink_config_dict({"hidden_size": 4096, "num_hidden_layers": 24, "mamba_chunk_size": 256,
+                            "text_config": {"chunk_size": 128, "hidden_size": 1024},
+                            "attention_window": [512] * 24, "chunk_size_feed_forward": 0})
+    assert d["mamba_chunk_size"] == CHUNK and d["text_config"]["chunk_size"] == CHUNK
+    assert d["attention_window"] == [WINDOW] * 2 and d["chunk_size_feed_forward"] == 0
+    assert shrink_config_dict({"attention_window": 512})["attention_window"] == WINDOW
+    assert tiny_config("longformer").attention_window == WINDOW
+    assert tiny_config("falcon_h1").mamba_chunk_size == CHUNK
+
+
+def _burn(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    time.sleep(30)
+
+
+def _sleep():
+    time.sleep(30)
+
+
+def _job(target, *args):
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=target, args=args, daemon=True)
+    p.start()
+    return census_types._Job(census_types.TypeResult("t"), [p], None, time.perf_counter())
+
+
+def _wait_over(job, timeout, limit=40.0):
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        if census_types._over_time(job, timeout):
+            return time.perf_counter() - job.start
+        time.sleep(0.05)
+    return None
+
+
+def test_timeout_counts_cpu_seconds_and_catches_hangs(monkeypatch):
+    monkeypatch.setattr(census_types, "STALL", 60.0)  # a loaded machine may hold a busy process back for a while
+    monkeypatch.setattr(census_types, "WALL_FACTOR", 100)  # so only CPU time (busy) or the stall (hung) decide
+    busy = _job(_burn, 1.5)
+    try:
+        took = _wait_over(busy, 0.5)
+        assert took is not None and busy.cpu is not None and busy.cpu > 0.5  # killed for its CPU seconds
+    finally:
+        busy.procs[0].kill()
+    monkeypatch.setattr(census_types, "STALL", 1.0)
+    hung = _job(_sleep)
+    try:
+        took = _wait_over(hung, 0.5)
+        assert took is not None and took >= 1.0 and (hung.cpu or 0.0) < 0.5  # no CPU: caught as a stall
+    finally:
+        hung.procs[0].kill()
+
+
+def test_type_result_reports_cpu_seconds():
+    r = census_types.TypeResult("llama", cpu_seconds=1.234)
+    assert r.to_dict()["cpu_seconds"] == 1.23
+    c = census_types.TypeCensus(results=[r, census_types.TypeResult("bert", cpu_seconds=2.0)])
+    assert c.summary()["cpu_seconds"] == 3.2
