@@ -81,7 +81,8 @@ def _llama4(**kw):
 
 
 MODELS = {"llama": _llama, "llama4": _llama4,
-          "llama_mqa": lambda: _llama(num_key_value_heads=1),  # one key/value head: attention stays replicated "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama_kv4": lambda: _llama(num_key_value_heads=4),
+          "llama_mqa": lambda: _llama(num_key_value_heads=1),  # one key/value head: attention stays replicated
+          "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama_kv4": lambda: _llama(num_key_value_heads=4),
           "llama_uneven": lambda: _llama(vocab_size=97, intermediate_size=65),  # 49/48 vocab, 33/32 MLP
           "qwen3_tied": lambda: _qwen3(tie_word_embeddings=True)}
 
