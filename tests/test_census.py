@@ -322,3 +322,10 @@ def test_train_comparison_steps_on_the_run_s_own_gradients():
     scaled = {n: None if g is None else g * 1e3 for n, g in grads.items()}
     assert census._max_diff(scaled, {n: g * (1 + 2 ** -22) for n, g in scaled.items()}, relative=True)[0] \
         <= census.TOLERANCE
+
+
+def test_op_name_of_a_higher_order_operator_is_stable():
+    """Reports name a higher-order operator (custom autograd.Function under functorch) by its name, not by
+    an object address that changes from run to run."""
+    from torch._functorch.autograd_function import custom_function_call
+    assert registry.op_name(custom_function_call) == "torch.ops.higher_order.custom_function_call"
