@@ -290,6 +290,40 @@ def test_type_census_tensor_parallel():
     assert bert.status == "no tp plan"
 
 
+def test_has_tp_plan_reads_the_config_classes():
+    """Whether a type declares a base_model_tp_plan, from its config classes: sub-configs given as AutoConfig
+    resolve through their default model type, and a default config that does not validate is not built."""
+    from transformers import AutoConfig
+    from hyper_parallel.tools.auto_models import has_tp_plan
+    assert has_tp_plan("gemma4_assistant")   # its default config fails validation; its text config has a plan
+    assert has_tp_plan("llava") and has_tp_plan("t5gemma") and has_tp_plan("llama")
+    assert not has_tp_plan("bert") and not has_tp_plan("gpt2")
+
+    def declared(cfg):  # the same question asked of built configs, through every sub-config
+        subs = [getattr(cfg, k, None) for k in (getattr(cfg, "sub_configs", None) or {})]
+        return bool(getattr(cfg, "base_model_tp_plan", None)) or any(declared(s) for s in subs if s is not None)
+
+    for t in ("llama", "qwen3_vl", "gemma3", "t5gemma", "llava", "bert", "phi4_multimodal", "qwen2_audio"):
+        assert has_tp_plan(t) == declared(AutoConfig.for_model(t)), t
+
+
+def test_train_comparison_steps_on_the_run_s_own_gradients():
+    """A split run's gradients are compared with the plain ones (relative to their size above 1), its
+    parameters with a plain AdamW step on its own gradients: the optimizer is checked exactly, and float
+    rounding of a gradient near Adam's eps (sums in another order) is not taken for a wrong result."""
+    case = build_model("llama", seed=1)
+    _, grads, params = census._train_step(case.model, case.inputs, case.labels)
+    again = census._step_with(build_model("llama", seed=1).model, grads)
+    assert all(torch.equal(again[n], params[n]) for n in params)
+    rounded = {n: None if g is None else g * (1 + 2 ** -22) for n, g in grads.items()}
+    assert census._max_diff(grads, rounded, relative=True)[0] <= census.TOLERANCE
+    wrong = dict(grads, **{n: g * 1.01 for n, g in list(grads.items())[:1]})
+    assert census._max_diff(grads, wrong, relative=True)[0] > census.TOLERANCE
+    scaled = {n: None if g is None else g * 1e3 for n, g in grads.items()}
+    assert census._max_diff(scaled, {n: g * (1 + 2 ** -22) for n, g in scaled.items()}, relative=True)[0] \
+        <= census.TOLERANCE
+
+
 def test_op_name_of_a_higher_order_operator_is_stable():
     """Reports name a higher-order operator (custom autograd.Function under functorch) by its name, not by
     an object address that changes from run to run."""

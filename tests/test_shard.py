@@ -64,7 +64,25 @@ def _qwen3_moe(**kw):
     return model
 
 
-MODELS = {"llama": _llama, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama_kv4": lambda: _llama(num_key_value_heads=4),
+def _llama4(**kw):
+    """Llama 4's text model: every layer MoE, its experts fed rows grouped expert by expert (no routing ids)."""
+    import transformers as T
+    cfg = dict(vocab_size=96, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+               max_position_embeddings=64, attention_chunk_size=64, tie_word_embeddings=False)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    model = T.Llama4ForCausalLM(T.Llama4TextConfig(**cfg)).eval()
+    with torch.no_grad():  # the expert weights start at zero / uninitialised: give them values
+        for layer in model.model.layers:
+            layer.feed_forward.experts.gate_up_proj.normal_(0, 0.2)
+            layer.feed_forward.experts.down_proj.normal_(0, 0.2)
+    return model
+
+
+MODELS = {"llama": _llama, "llama4": _llama4,
+          "llama_mqa": lambda: _llama(num_key_value_heads=1),  # one key/value head: attention stays replicated
+          "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama_kv4": lambda: _llama(num_key_value_heads=4),
           "llama_uneven": lambda: _llama(vocab_size=97, intermediate_size=65),  # 49/48 vocab, 33/32 MLP
           "qwen3_tied": lambda: _qwen3(tie_word_embeddings=True)}
 
@@ -148,7 +166,7 @@ def _broadcast_first(rank, world):
 
 def _generate(rank, world, name, plan_kind):
     ref = MODELS[name]()
-    model = hp.shard(copy.deepcopy(ref), "auto" if plan_kind == "auto" else _llama_plan(moe="moe" in name))
+    model = _shard_checked(copy.deepcopy(ref), name, plan_kind)
     if "moe" in name:  # whole experts per rank
         experts = model.model.layers[0].mlp.experts
         assert experts.gate_up_proj.to_local().shape == (4 // world, 32, 32)
@@ -163,9 +181,25 @@ def _generate(rank, world, name, plan_kind):
     return got.tolist()
 
 
+def _shard_checked(model, name, plan_kind):
+    """`shard` with the plan kind; for the models "auto" splits only in part, check what it split."""
+    if name == "llama_mqa":  # its 1 key/value head cannot split: the attention stays whole, the MLPs split
+        with pytest.warns(UserWarning, match="2 attention module.* run replicated.*k_proj: its 1 heads"):
+            hp.shard(model, "auto")
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert all(p.dist_layout.is_replicate for p in attn.parameters())
+        assert mlp.up_proj.weight.placements == (Shard(0),) and mlp.down_proj.weight.placements == (Shard(1),)
+        return model
+    model = hp.shard(model, "auto" if plan_kind == "auto" else _llama_plan(moe="moe" in name))
+    if name == "llama4":  # whole experts per rank
+        experts = model.model.layers[0].feed_forward.experts
+        assert experts.gate_up_proj.placements == (Shard(0),) and experts.down_proj.placements == (Shard(0),)
+    return model
+
+
 def _train_step(rank, world, name, plan_kind):
     ref = MODELS[name]().train()
-    model = hp.shard(copy.deepcopy(ref), "auto" if plan_kind == "auto" else _llama_plan(moe="moe" in name))
+    model = _shard_checked(copy.deepcopy(ref), name, plan_kind)
     if ref.config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = _ids(seed=2)
@@ -323,7 +357,7 @@ def test_mlp_sharding_plan(dist2):
 
 @pytest.mark.parametrize("name,plan_kind", [("llama", "auto"), ("llama", "plan"), ("qwen3", "auto"),
                                             ("qwen3", "plan"), ("qwen3_moe", "auto"), ("qwen3_moe", "plan"),
-                                            ("llama_uneven", "auto")])
+                                            ("llama_uneven", "auto"), ("llama_mqa", "auto"), ("llama4", "auto")])
 def test_generate(dist2, name, plan_kind):
     tokens = dist2.run(_generate, name, plan_kind)
     assert tokens[0] == tokens[1]
@@ -331,7 +365,7 @@ def test_generate(dist2, name, plan_kind):
 
 @pytest.mark.parametrize("name,plan_kind", [("llama", "auto"), ("llama", "plan"), ("qwen3", "auto"),
                                             ("qwen3_moe", "auto"), ("qwen3_moe", "plan"), ("llama_uneven", "auto"),
-                                            ("qwen3_tied", "auto")])
+                                            ("qwen3_tied", "auto"), ("llama_mqa", "auto"), ("llama4", "auto")])
 def test_train_step(dist2, name, plan_kind):
     losses = dist2.run(_train_step, name, plan_kind)
     assert losses[0] == losses[1]
@@ -383,13 +417,70 @@ def test_unmatched_path():
 
 
 def test_indivisible_heads():
+    """A plan the user wrote that splits inside a head is refused; "auto" keeps such attention whole."""
+    model = _llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48)
     with pytest.raises(ValueError, match="q_proj: its 6 heads .* over 4 ranks"):
-        hp.shard(_llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), "auto",
-                 hp.Layout((4,), ("tp",)))
-    with pytest.raises(ValueError, match="k_proj: its 2 heads .* over 4 ranks"):
-        hp.shard(_llama(), "auto", hp.Layout((4,), ("tp",)))
+        hp.shard(model, dict(model.tp_plan), hp.Layout((4,), ("tp",)))
     with pytest.raises(ValueError, match="k_proj: its 2 heads .* over 4 ranks"):
         hp.shard(_llama(), _llama_plan(), hp.Layout((4,), ("tp",)))
+    with pytest.warns(UserWarning, match="attention module.* run replicated.*k_proj: its 2 heads .* over 4 ranks"):
+        model = hp.shard(_llama(), "auto", hp.Layout((4,), ("tp",)))
+    assert all(p.dist_layout.is_replicate for p in model.model.layers[1].self_attn.parameters())
+    assert model.model.layers[1].mlp.gate_proj.weight.placements == (Shard(0),)
+
+
+def test_per_head_gate_splits_whole_heads():
+    """A projection with one output per head (Laguna's gate, `num_heads` wide) splits whole heads."""
+    from hyper_parallel.parallel.shard.plan import check_heads, resolve_styles
+
+    class Attention(nn.Module):
+        def __init__(self, heads=6, head_dim=4):
+            super().__init__()
+            self.num_heads, self.head_dim = heads, head_dim
+            self.q_proj = nn.Linear(8, heads * head_dim)
+            self.g_proj = nn.Linear(8, heads)   # 6 = 1.5 head_dims, but 6 whole heads of one value each
+
+    model = nn.Sequential(Attention())
+    mesh = hp.Layout((2,), ("tp",)).mesh
+    check_heads(model, resolve_styles(model, {"0.q_proj": "colwise", "0.g_proj": "colwise"}, mesh, True))
+    with pytest.raises(ValueError, match="0.g_proj: its 6 heads .* over 4 ranks"):
+        mesh4 = hp.Layout((4,), ("tp",)).mesh
+        check_heads(model, resolve_styles(model, {"0.g_proj": "colwise"}, mesh4, True))
+
+
+def test_auto_plan_heads_property():
+    """Random head counts and tensor-parallel sizes: "auto" splits an attention module's projections only where
+    its attention and key/value heads both divide, else none of them (and says so); a written plan is refused
+    exactly then; the MLPs split either way."""
+    from hypothesis import given, settings, strategies as st
+    from hyper_parallel.parallel.shard.api import _resolve
+
+    @settings(max_examples=15, deadline=None)
+    @given(st.integers(1, 4), st.sampled_from([1, 2, 3]), st.sampled_from([2, 3, 4]), st.sampled_from([4, 8]))
+    def check(kv, groups, tp, head_dim):
+        heads = kv * groups
+        model = _llama(num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                       hidden_size=heads * head_dim, intermediate_size=12 * tp)
+        mesh = hp.Layout((tp,), ("tp",)).mesh
+        divides = heads % tp == 0 and kv % tp == 0
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = _resolve(model, "auto", mesh, mesh)
+        said = [w for w in caught if "run replicated" in str(w.message)]
+        for i in range(2):
+            attn = [n for n, _ in model.named_parameters() if n.startswith(f"model.layers.{i}.self_attn.")]
+            planned = [n for n in attn if n in res.params]
+            assert planned == (attn if divides else []), (heads, kv, tp, planned)
+            assert f"model.layers.{i}.mlp.down_proj.weight" in res.params
+        assert bool(said) == (not divides)
+        if divides:
+            _resolve(model, dict(model.tp_plan), mesh, mesh)
+        else:
+            with pytest.raises(ValueError, match="heads .* cannot be split evenly"):
+                _resolve(model, dict(model.tp_plan), mesh, mesh)
+
+    check()
 
 
 def test_mesh_without_named_axis():

@@ -623,12 +623,33 @@ def load_path_model(path: str, seed: int = 0) -> ModelCase:
     return ModelCase(str(path), model, inputs, labels=labels, can_generate=can_generate)
 
 
-def has_tp_plan(model_type: str) -> bool:
-    """Whether the type's config declares a base_model_tp_plan (what `shard(model, "auto")` uses)."""
+def _config_classes(config_cls, seen: set) -> list:
+    """The config class and every sub-config class below it (text, vision, encoder, decoder...), from the
+    classes' declarations: no config is instantiated, since some defaults do not validate (Gemma4Assistant's
+    default text config fails its own architecture check). A sub-config declared as `AutoConfig` is resolved
+    through its spec's default model type."""
     from transformers import AutoConfig
-    cfg = AutoConfig.for_model(model_type)
-    configs = [cfg] + [getattr(cfg, n) for n in ("text_config", "decoder") if getattr(cfg, n, None) is not None]
-    return any(bool(getattr(c, "base_model_tp_plan", None)) for c in configs)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if config_cls in seen:
+        return []
+    seen.add(config_cls)
+    out = [config_cls]
+    specs = getattr(config_cls, "sub_configs_defaults", None) or {}
+    for name, sub in (getattr(config_cls, "sub_configs", None) or {}).items():
+        if sub is AutoConfig:
+            default_type = getattr(specs.get(name), "model_type", None)
+            sub = CONFIG_MAPPING[default_type] if default_type in CONFIG_MAPPING else None
+        if isinstance(sub, type):
+            out += _config_classes(sub, seen)
+    return out
+
+
+def has_tp_plan(model_type: str) -> bool:
+    """Whether the type's config, or one of its sub-configs (text, decoder, encoder...), declares a
+    base_model_tp_plan: what transformers gathers into `model.tp_plan`, which `shard(model, "auto")` uses."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    return any(bool(getattr(c, "base_model_tp_plan", None))
+               for c in _config_classes(CONFIG_MAPPING[model_type], set()))
 
 
 __all__ = ["all_model_types", "head_of", "tiny_config", "make_inputs", "build_model_type", "load_path_model",

@@ -226,12 +226,16 @@ def _train_module(case: ModelCase) -> nn.Module:
     return thinker if isinstance(thinker, nn.Module) else case.model
 
 
-def _train_step(model: nn.Module, inputs: dict, labels: dict):
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     # Adam's first step is lr * g / (|g| + eps): for |g| near eps a last-bit difference in g (a sum taken in
     # another order across ranks) moves the update by up to lr * dg / eps, so eps is kept well above 1e-8
-    opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6,
+                             weight_decay=0.01)
+
+
+def _train_step(model: nn.Module, inputs: dict, labels: dict):
+    model.train()
+    opt = _optimizer(model)
     out = model(**inputs, **labels)
     loss = getattr(out, "loss", None)
     if loss is None:  # a head that computes no loss from labels: train on a sum of its outputs
@@ -244,7 +248,9 @@ def _train_step(model: nn.Module, inputs: dict, labels: dict):
     return full(loss).detach(), grads, after
 
 
-def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+def _max_diff(a: dict, b: dict, relative: bool = False) -> tuple[float, str]:
+    """The largest difference between same-named tensors, and where. `relative`: each tensor's difference is
+    divided by its magnitude when that is above 1 (float32 rounding grows with the values summed)."""
     worst, where = 0.0, ""
     for k, x in a.items():
         y = b.get(k)
@@ -255,9 +261,25 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
         if x.shape != y.shape:
             return float("inf"), f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
         d = (x.float() - y.float()).abs().max().item() if x.numel() else 0.0
+        if relative and x.numel():
+            d /= max(1.0, x.float().abs().max().item())
         if d > worst:
             worst, where = d, k
     return worst, where
+
+
+def _step_with(model: nn.Module, grads: dict) -> dict:
+    """The plain model's parameters after the census's AdamW step taken with the given (full) gradients.
+
+    A split run's gradients are sums taken in another order, equal to the plain ones up to float rounding; Adam's
+    first step turns such a last-bit difference of a gradient near eps into a visible one of the parameter. So the
+    split run's parameters are compared with a plain step on its own gradients (the optimizer checked exactly),
+    and its gradients with the plain gradients."""
+    named = dict(model.named_parameters())
+    for n, p in named.items():
+        p.grad = None if grads.get(n) is None else grads[n].clone()
+    _optimizer(model).step()
+    return {n: p.detach().clone() for n, p in named.items()}
 
 
 def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_tokens: int,
@@ -287,7 +309,7 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             report.equal, report.detail = _compare_generate(case, ref, out)
         elif mode == "train":
             case = build()
-            ref_loss, ref_grads, ref_params = _train_step(_train_module(case), case.inputs, case.labels)
+            ref_loss, ref_grads, _ = _train_step(_train_module(case), case.inputs, case.labels)
             report.plain_ok = True
             case = build()
             shard_model(case.model)
@@ -295,9 +317,9 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             inputs, labels = to_dtensor_inputs(case.inputs, wrap_input), to_dtensor_inputs(case.labels, wrap_input)
             with recorder() as rec:
                 loss, grads, params = _train_step(module, inputs, labels)
-            dl = abs(float(ref_loss) - float(loss))
-            dg, wg = _max_diff(ref_grads, grads)
-            dp, wp = _max_diff(ref_params, params)
+            dl = abs(float(ref_loss) - float(loss)) / max(1.0, abs(float(ref_loss)))
+            dg, wg = _max_diff(ref_grads, grads, relative=True)
+            dp, wp = _max_diff(_step_with(_train_module(build()), grads), params)
             report.equal = max(dl, dg, dp) <= TOLERANCE
             report.detail = f"loss {dl:.1e}, grads {dg:.1e}, params {dp:.1e}" + (
                 "" if report.equal else f" (worst: {wg if dg >= dp else wp})")

@@ -140,7 +140,7 @@ def _resolve(model: nn.Module, plan: Any, mesh: DeviceMesh, tp_mesh) -> Resolved
         res = resolve_sharding_plan(model, plan, mesh, tp_mesh)
     else:
         raise TypeError(f"shard: plan must be a ShardingPlan, a dict or 'auto', got {type(plan).__name__}")
-    check_heads(model, res)
+    check_heads(model, res, strict)
     return res
 
 
@@ -314,6 +314,8 @@ def _experts_forward(module: nn.Module, original, where: str):
         params = {pn: p for pn, p in module._parameters.items() if p is not None}
         some = next(iter(params.values()))
         mesh = some.device_mesh
+        if index_name is None:
+            return _grouped_experts(original, bound, hidden_name, mesh, where)
         axis = some.dist_layout.sharded_axes[0] if some.dist_layout.sharded_axes else None
         hidden = _local_input(bound.arguments[hidden_name], mesh, axis)
         n_total = some.shape[0]
@@ -353,6 +355,20 @@ def _experts_forward(module: nn.Module, original, where: str):
         return dt.redistribute(rep).to_local()
 
     return forward
+
+
+def _grouped_experts(original, bound, hidden_name: str, mesh: DeviceMesh, where: str) -> Tensor:
+    """Experts fed their rows already grouped expert by expert, with no routing ids (Llama 4's
+    `experts(hidden)`: one [E, tokens, hidden] block, multiplied batch by batch with the [E, ...] weights): on
+    DTensors the batched matmuls run each rank's own experts on its own block of rows, and the output's
+    blocks are gathered once, handed on as the full local tensor the code after it expects."""
+    replicated = lambda nd: replicate_layout(mesh, nd)  # noqa: E731
+    bound.arguments[hidden_name] = move(bound.arguments[hidden_name], replicated, f"input of {where}")
+    out = original(*bound.args, **bound.kwargs)
+    if not isinstance(out, DTensor):
+        raise TypeError(f"{where}: the experts module returned {type(out).__name__}, not one tensor; its "
+                        f"forward takes no routing ids, so its experts run on DTensors and must return one")
+    return move(out, replicated, f"output of {where}").to_local()
 
 
 def _local_input(x: Tensor, mesh: DeviceMesh, axis) -> Tensor:

@@ -15,6 +15,7 @@ may match nothing (a MoE model's plan names its dense MLPs too).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, Sequence
@@ -413,26 +414,59 @@ def _apply_styles(model, plan, tp_mesh, res: Resolved, strict: bool, modules, pa
                                           local_if_replicated=style.out == REPLICATE)
 
 
-def check_heads(model: nn.Module, res: Resolved) -> None:
+def _heads_in(parent: nn.Module, size: int, head_dim: int) -> int | None:
+    """How many heads a projection of `size` outputs (or inputs) holds: whole heads of `head_dim`, or one number
+    per head where the size is the attention module's head count (a per-head gate, e.g. Laguna's g_proj)."""
+    counts = {getattr(parent, n, None) for n in ("num_heads", "num_attention_heads", "num_key_value_heads")}
+    if size in counts:
+        return size
+    return size // head_dim if size % head_dim == 0 else None
+
+
+def check_heads(model: nn.Module, res: Resolved, strict: bool = True) -> None:
     """An attention projection must split whole heads (its parent module's `head_dim`): a split inside a
-    head would make the model's (B, S, heads, head_dim) view move data on every call, or fail."""
+    head would make the model's (B, S, heads, head_dim) view move data on every call, or fail.
+
+    A plan the user wrote (`strict`) is refused with an error naming the projection. The model's own plan
+    ("auto") is kept where it splits correctly: an attention module whose heads do not divide (e.g. one
+    key/value head over 2 ranks) runs replicated, every plan entry below it dropped, with a warning."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
+    uneven: dict = {}   # attention module -> the message for its first projection that does not divide
     for m, full, dim, parts in res.head_checks:
         if parts <= 1:
             continue
-        parent = modules.get(m.rpartition(".")[0])
+        owner = m.rpartition(".")[0]
+        parent = modules.get(owner)
         head_dim = getattr(parent, "head_dim", None)
         if not isinstance(head_dim, int) or head_dim <= 0:
             continue
-        size = params[full].shape[dim]
-        if size % head_dim:
+        heads = _heads_in(parent, params[full].shape[dim], head_dim)
+        if heads is None or heads % parts == 0:
             continue
-        heads = size // head_dim
-        if heads % parts:
-            raise ValueError(f"{m}: its {heads} heads (head_dim {head_dim}) cannot be split evenly over {parts} "
-                             f"ranks ({full} dim {dim}, plan entry {res.sources.get(full)!r}); use a "
-                             f"tensor-parallel size that divides the numbers of attention and key/value heads")
+        msg = (f"{m}: its {heads} heads (head_dim {head_dim}) cannot be split evenly over {parts} ranks "
+               f"({full} dim {dim}, plan entry {res.sources.get(full)!r})")
+        if strict:
+            raise ValueError(f"{msg}; use a tensor-parallel size that divides the numbers of attention and "
+                             f"key/value heads")
+        uneven.setdefault(owner, msg)
+    for owner in uneven:
+        _replicate_below(res, owner)
+    if uneven:
+        names = list(uneven)
+        warnings.warn(f"shard(plan='auto'): {len(names)} attention module(s) run replicated on every rank "
+                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), their heads not dividing over "
+                      f"the tensor-parallel ranks: {next(iter(uneven.values()))}", stacklevel=4)
+
+
+def _replicate_below(res: Resolved, owner: str) -> None:
+    """Drop every plan entry for the parameters and modules below `owner`: they stay replicated, unmoved."""
+    below = owner + "." if owner else ""
+    for table in (res.params, res.sources, res.inputs, res.outputs):
+        for key in [k for k in table if k.startswith(below)]:
+            del table[key]
+    res.experts = {m for m in res.experts if not m.startswith(below)}
+    res.head_checks = [c for c in res.head_checks if not c[0].startswith(below)]
 
 
 __all__ = ["ShardingPlan", "STYLES", "sequence_parallel_plan", "Style", "Resolved", "Boundary", "auto_plan",
