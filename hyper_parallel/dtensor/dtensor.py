@@ -152,6 +152,27 @@ class DTensor(torch.Tensor):
         return (f"DTensor(shape={tuple(self._shape)}, dtype={self._local.dtype}, layout={self._layout}, "
                 f"local={self._local!r})")
 
+    def __format__(self, format_spec: str) -> str:
+        """`f"{t}"` and `format(t, spec)` as for a plain tensor: a 0-d DTensor formats as its value, so
+        `f"expert_{idx}"` names the same module as on one device; any other DTensor (and a meta one) formats as
+        `object.__format__` does (its repr without a spec, TypeError with one), exactly as torch.Tensor.__format__.
+        `str(t)` and `repr(t)` stay the DTensor's repr, which shows the layout (a plain tensor's str is its repr too).
+
+        Reading the value must not make ranks wait on each other, because formatting is what rank-0-only logging
+        does. A replicated 0-d DTensor's value is this rank's local: no communication. A 0-d DTensor with a pending
+        reduction (Partial) has no value on any rank until it is reduced, which needs every rank: reducing here
+        would hang a `if rank == 0: print(f"{loss}")`, and formatting the local part would print a wrong number,
+        so it raises ValueError (decided from the layout, on whichever ranks format it; nothing waits). Reduce it on
+        every rank first (`t.full_tensor()` or `t.redistribute(...)`) and format that.
+        """
+        if not self._shape and not self._local.is_meta:
+            if self._layout.has_partial:
+                raise ValueError(f"format() of a 0-d DTensor with a pending reduction ({self._layout}): its value "
+                                 f"exists only after a reduction across ranks, which formatting (often done on one "
+                                 f"rank) must not start. Call t.full_tensor() on every rank and format that.")
+            return self._local.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __deepcopy__(self, memo):
         with torch._C.DisableTorchFunctionSubclass():
             out = make_dtensor(copy.deepcopy(self._local, memo), self._layout, self._shape, self.requires_grad)
