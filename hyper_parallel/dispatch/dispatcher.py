@@ -317,7 +317,8 @@ def _note_view(result, args, loc0, out, func, largs, lkwargs):
     reaches no input, exactly as on one device, so it needs no note."""
     base = out._base
     if base is not None and type(args[0]) is DTensor and type(result) is DTensor and result is not args[0]:
-        if _is_view_of(base, largs[0] if loc0 is None else loc0):
+        ran_on = largs[0] if loc0 is None else loc0
+        if base is ran_on or (ran_on._base is not None and base is ran_on._base):  # inline: grad-mode views
             result._view_of = False if loc0 is None else (args[0], func, largs[1:], lkwargs)
         elif any(_is_view_of(base, t) for t in list(largs[1:]) + list(lkwargs.values())):
             result._view_of = False
