@@ -64,9 +64,10 @@ def _vmap_split(rank, world):
 def _format_partial(rank, world):
     L = hp.Layout((world,), ("tp",))
     pending = DTensor.from_local(torch.tensor(float(rank + 1)), L().with_partial("tp"), shape=())
-    if rank == 0:  # rank-0-only logging: loud on the rank that formats, and nothing waits on the others
+    assert f"n={pending}" == f"n={pending!r}"  # an eager message of a passing check: the repr, on every rank
+    if rank == 0:  # rank-0-only logging with a spec: loud on the rank that formats, and nothing waits on the others
         with pytest.raises(ValueError, match="pending reduction"):
-            f"{pending}"
+            f"{pending:.2f}"
     total = pending.full_tensor()  # every rank reduces, then formats (the ranks are still in step)
     return f"{hp.distribute_tensor(total, L(), src_data_rank=None):.1f}"
 

@@ -101,7 +101,7 @@ def test_module_key_from_a_0d_dtensor(path):
     assert got == want == ["expert_1", "expert_3"] and all(k in experts for k in got)
 
 
-def test_format_of_a_pending_0d_dtensor_is_loud_without_communicating(dist2):
+def test_format_of_a_pending_0d_dtensor_never_communicates(dist2):
     assert dist2.run(_format_partial) == ["3.0", "3.0"]
 
 

@@ -158,19 +158,23 @@ class DTensor(torch.Tensor):
         `object.__format__` does (its repr without a spec, TypeError with one), exactly as torch.Tensor.__format__.
         `str(t)` and `repr(t)` stay the DTensor's repr, which shows the layout (a plain tensor's str is its repr too).
 
-        Reading the value must not make ranks wait on each other, because formatting is what rank-0-only logging
-        does. A replicated 0-d DTensor's value is this rank's local: no communication. A 0-d DTensor with a pending
-        reduction (Partial) has no value on any rank until it is reduced, which needs every rank: reducing here
-        would hang a `if rank == 0: print(f"{loss}")`, and formatting the local part would print a wrong number,
-        so it raises ValueError (decided from the layout, on whichever ranks format it; nothing waits). Reduce it on
-        every rank first (`t.full_tensor()` or `t.redistribute(...)`) and format that.
+        Reading the value must never make ranks wait on each other: formatting is what rank-0-only logging does
+        (`if rank == 0: print(f"{loss}")`). A replicated 0-d DTensor's value is this rank's local: no communication.
+        A 0-d DTensor with a pending reduction (Partial) has no value on any rank until every rank reduces it, so it
+        is never reduced here (that would hang one-rank logging) and its local part is never printed as if it were
+        the value. Without a spec it formats as its repr, which names the pending reduction: model code formats
+        values eagerly into messages of checks that pass (transformers' `torch_check(cond, f"... {n_tokens}")`), and
+        that must keep working on every rank. With a spec (`f"{loss:.4f}"`) it raises ValueError on the rank that
+        formats (nothing waits): reduce on every rank first (`t.full_tensor()`) and format that.
         """
         if not self._shape and not self._local.is_meta:
-            if self._layout.has_partial:
-                raise ValueError(f"format() of a 0-d DTensor with a pending reduction ({self._layout}): its value "
-                                 f"exists only after a reduction across ranks, which formatting (often done on one "
-                                 f"rank) must not start. Call t.full_tensor() on every rank and format that.")
-            return self._local.detach().item().__format__(format_spec)
+            if not self._layout.has_partial:
+                return self._local.detach().item().__format__(format_spec)
+            if format_spec:
+                raise ValueError(f"format(t, {format_spec!r}) of a 0-d DTensor with a pending reduction "
+                                 f"({self._layout}): its value exists only after a reduction across ranks, which "
+                                 f"formatting (often done on one rank) must not start. Call t.full_tensor() on every "
+                                 f"rank and format that.")
         return object.__format__(self, format_spec)
 
     def __deepcopy__(self, memo):
