@@ -212,6 +212,29 @@ def test_type_census_sample_generates_report(tmp_path, capsys):
     assert page.startswith("# Census of transformers model types")
     assert "| llama | causal-lm | ok |" in page and "--model-type llama" in page
 
+    # --rerun: only the types a fix may change run again (here bert, marked failed), merged into the report
+    data["types"]["bert"]["runs"]["generate"]["error"] = "Traceback ...\nRuntimeError: boom"
+    data["types"]["t5"].update(built=False, status="not built", why="ValueError: not buildable")
+    data["types"]["t5"]["runs"] = {}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(data))
+    merged, md2 = tmp_path / "merged.json", tmp_path / "merged.md"
+    rc = main(["census", "--rerun", str(earlier), "--json", str(merged), "--markdown", str(md2)])
+    text = capsys.readouterr().out
+    assert rc == 0, text  # t5 stays "not built" (settled statuses are not re-run), which is not counted
+    assert "[1/1] bert: ok" in text and "llama:" not in text.split("[1/1]")[0]
+    again = json.loads(merged.read_text())
+    assert list(again["types"]) == ["llama", "bert", "t5"]
+    assert {t: v["status"] for t, v in again["types"].items()} == {"llama": "ok", "bert": "ok", "t5": "not built"}
+    assert again["types"]["t5"]["why"] == "ValueError: not buildable"
+    assert again["types"]["llama"] == data["types"]["llama"]  # kept as it was
+    assert again["summary"]["ok"] == 2 and again["summary"]["plain_ok"] == 2
+    assert len(again["commands"]) == 2 and f"--rerun {earlier}" in again["commands"][1]
+    assert f"--rerun {earlier}" in md2.read_text().splitlines()[2]
+    # a rerun in another scenario than its report's is refused before anything runs
+    assert main(["census", "--rerun", str(earlier), "--tp", "2"]) == 2
+    assert "is a 'single' report" in capsys.readouterr().err
+
 
 def test_tiny_config_is_small_and_consistent():
     from hyper_parallel.tools.auto_models import all_model_types, tiny_config
@@ -265,3 +288,10 @@ def test_type_census_tensor_parallel():
     llama, bert = report.results
     assert llama.status == "ok", llama.why
     assert bert.status == "no tp plan"
+
+
+def test_op_name_of_a_higher_order_operator_is_stable():
+    """Reports name a higher-order operator (custom autograd.Function under functorch) by its name, not by
+    an object address that changes from run to run."""
+    from torch._functorch.autograd_function import custom_function_call
+    assert registry.op_name(custom_function_call) == "torch.ops.higher_order.custom_function_call"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel.dispatch import count_calls, dispatcher
+from hyper_parallel.dtensor import autograd as autograd_bridge
 from hyper_parallel.dtensor.dtensor import DTensor
 import hyper_parallel.dispatch as dispatch_pkg
 
@@ -40,9 +41,11 @@ def path(request):
         impl = dispatcher.torch_function
     saved = DTensor.__dict__["__torch_function__"]
     DTensor.__torch_function__ = staticmethod(impl)
+    autograd_bridge.use_c_nodes(dispatch_pkg._fastpath if request.param == "c" else None)  # the nodes' twins too
     dispatcher.clear_caches()
     yield request.param
     DTensor.__torch_function__ = saved
+    autograd_bridge.use_c_nodes(dispatch_pkg._fastpath)
     dispatcher.clear_caches()
 
 
@@ -379,7 +382,10 @@ def _chain(seed: int, ops: list, layouts: list, backend):
     for op in ops:
         h = {"add": lambda h: h + b, "mul": lambda h: h * b, "tanh": torch.tanh, "scale": lambda h: h * 0.5,
              "matmul": lambda h: h @ b, "t": lambda h: h.t().contiguous(), "view": lambda h: h.view(16).view(4, 4),
-             "sub_const": lambda h: h - 1.0, "silu": F.silu}[op](h)
+             "sub_const": lambda h: h - 1.0, "silu": F.silu,
+             # a layout change: Unwrap redistributes, and the gradient comes back through Wrap in another layout
+             "resplit": lambda h: h.redistribute(L("tp", "None")) if type(h) is DTensor else h,
+             "regather": lambda h: h.redistribute(L("None", "None")) if type(h) is DTensor else h}[op](h)
     loss = h.pow(2).sum() + (b * b).sum()
     loss.backward()
     full = (lambda t: t.full_tensor()) if backend != "plain" else (lambda t: t.detach())
@@ -392,27 +398,72 @@ except ImportError:  # pragma: no cover - hypothesis is in requirements-dev.txt
     given = None
 
 if given is not None:
-    _OPS = st.lists(st.sampled_from(["add", "mul", "tanh", "scale", "matmul", "t", "view", "sub_const", "silu"]),
+    _OPS = st.lists(st.sampled_from(["add", "mul", "tanh", "scale", "matmul", "t", "view", "sub_const", "silu",
+                                     "resplit", "regather"]),
                     min_size=1, max_size=6)
     _LAYOUTS = st.lists(st.sampled_from(["rep", "split"]), min_size=2, max_size=2)
 
     @settings(max_examples=20, deadline=None)
     @given(ops=_OPS, layouts=_LAYOUTS, seed=st.integers(0, 1000))
     def test_random_chains_equal_through_the_c_twins_and_python(ops, layouts, seed):
-        """Property: any chain of ops on replicated and split parameters, with backward, gives the same values
-        and gradients through the C twins as through the Python dispatcher (exactly), and as plain torch."""
+        """Property: any chain of ops on replicated and split parameters, with layout changes and backward, gives
+        the same values and gradients through the C twins (dispatch and the autograd nodes Wrap / Unwrap) as through
+        the Python dispatcher and nodes (exactly), and as plain torch."""
         want = _chain(seed, ops, layouts, "plain")
         got = {}
         saved = DTensor.__dict__["__torch_function__"]
         try:
-            for name, impl in (("c", dispatch_pkg._fastpath.torch_function), ("python", dispatcher.torch_function)):
+            for name, impl, nodes in (("c", dispatch_pkg._fastpath.torch_function, dispatch_pkg._fastpath),
+                                      ("python", dispatcher.torch_function, None)):
                 DTensor.__torch_function__ = staticmethod(impl)
+                autograd_bridge.use_c_nodes(nodes)
                 got[name] = _chain(seed, ops, layouts, name)
         finally:
             DTensor.__torch_function__ = saved
+            autograd_bridge.use_c_nodes(dispatch_pkg._fastpath)
         for c, p, w in zip(got["c"], got["python"], want):
             assert torch.equal(c, p)
             assert torch.allclose(c, w, atol=1e-5)
+
+
+def test_the_autograd_nodes_run_in_c():
+    """A warm training step on replicated parameters (Unwrap per parameter use, Wrap per op output, their backward)
+    runs no Python function of the autograd bridge: the C nodes answer every common case."""
+    assert autograd_bridge.Wrap.forward is dispatch_pkg._fastpath.wrap_forward
+    w1, w2 = torch.nn.Parameter(rep(torch.randn(4, 4))), torch.nn.Parameter(rep(torch.randn(4, 2)))
+    x = rep(torch.randn(3, 4))
+
+    def step():
+        w1.grad = w2.grad = None
+        (torch.tanh(x @ w1) @ w2).pow(2).sum().backward()
+    step()
+    seen = []
+    bridge_file = autograd_bridge.__file__
+
+    def spy(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == bridge_file and \
+                frame.f_code.co_name not in ("backward", "_run_engine"):  # the loss's own Tensor.backward routing
+            seen.append(frame.f_code.co_name)
+    sys.setprofile(spy)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    assert seen == [] and type(w1.grad) is DTensor and type(w2.grad) is DTensor
+
+
+def test_the_engines_detach_and_alias_of_a_dtensor(path):
+    """What AccumulateGrad runs on every gradient it stores (below __torch_function__): the same wrapper around the
+    detached local, through __torch_dispatch__'s C twin and through engine_ops; other engine ops still answered."""
+    w = torch.nn.Parameter(split(torch.randn(4, 3)))
+    with torch._C.DisableTorchFunctionSubclass():
+        for op in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            d = op(w)
+            assert type(d) is DTensor and d._layout is w._layout and d.shape == w.shape
+            assert d._local.data_ptr() == w._local.data_ptr() and not d._local.requires_grad
+            assert d.requires_grad == (op is torch.ops.aten.alias.default)  # alias is differentiable, as in torch
+        z = torch.ops.aten.zeros_like.default(w)
+        assert type(z) is DTensor and z._layout is w._layout and not z._local.any()
 
 
 def test_metadata_passthrough_with_kwargs_none(path):

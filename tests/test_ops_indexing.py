@@ -19,6 +19,7 @@ def _cases():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 6, 7, generator=g)
     ix = torch.tensor([4, 0, 2, 2])
+    ixd = torch.tensor([4, 0, 2])                                       # distinct: writes through it are exact
     mask2 = torch.randn(5, 6, generator=g) > 0
     mask1 = torch.randn(6, generator=g) > 0
     perm = torch.argsort(torch.randn(5, 3, 7, generator=g), dim=1)     # distinct positions per row: scatter is exact
@@ -61,6 +62,13 @@ def _cases():
          [X, lambda m: specs_for(m, 2)], True),
         ("x[mask] = 0", _set(mask2, False, 0.0),
          [x], [lambda m: [s for s in specs_for(m, 3) if all(e == "None" for e in s[0][:2])]], True),
+        # ints and slices on split dims together with tensor indices (a logits row: scores[i, banned] = -inf)
+        ("x[int, list] = v", _set((1, [0, 3, 5])), [x, torch.randn(3, 7)], [Xk(1), lambda m: specs_for(m, 2)],
+         True),
+        ("x[int, list] = -1.5", _set((3, [1, 4]), False, -1.5), [x], [Xk(1)], True),
+        ("x[:, long, int] = v", _set((slice(None), ixd, 2)), [x, torch.randn(5, 3)], [Xk(1), lambda m: specs_for(m, 2)],
+         True),
+        ("x[long, 1:3] = v", _set((ixd, slice(1, 3))), [x, torch.randn(3, 2, 7)], [Xk(0), X], True),
         ("x[:, long] = v", _set((slice(None), ix)), [x, torch.randn(5, 4, 7)],
          [lambda m: [s for s in specs_for(m, 3) if s[0][1] == "None"], lambda m: specs_for(m, 3)], True),
         # gather / scatter families
@@ -114,6 +122,14 @@ def _loud(rank, world):
     except RuntimeError as e:
         msg = str(e)
         if "__setitem__" not in msg or "laid out" not in msg:
+            return False
+    else:
+        return False
+    z = hp.distribute_tensor(torch.zeros(4, 6, 5), mesh("None", mesh.alias_name[-1], "None"))
+    try:  # the int between the tensors: made a one-wide slice, it would move the indexed dims to the front
+        z[[0, 2], 1, [3, 4]] = 1.0
+    except RuntimeError as e:
+        if "__setitem__" not in str(e) or "between tensor indices" not in str(e):
             return False
     else:
         return False

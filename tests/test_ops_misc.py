@@ -18,6 +18,9 @@ def _cases():
     return [
         ("compare and logic", lambda t: ((t > 0) & (t < 1)) | ~(t >= -0.5), [x], None, False),
         ("eq ne", lambda t: (t.round() == 0) ^ (t.round() != 1), [x], None, False),
+        # the first operand smaller than the broadcast result (a dunder's name ends in "_" like an in-place op's)
+        ("broadcast dunders", lambda a, c: (a * c + a - c, (a > 0) & (c > 0), a == c.round()),
+         [r(4, 6, 1), r(4, 1, 5)], None, True),
         ("floordiv mod", lambda t: (t * 4).floor() // 3 + (t * 4).floor() % 3, [x], None, False),
         ("cos sin clamp", lambda t: t.cos() * t.sin() + t.clamp(-0.5, 0.5) + t.clamp_min(0), [x], None, True),
         ("casts", lambda t: (t * 3).long().float() + (t > 0).int().float(), [x], None, True),

@@ -17,6 +17,7 @@ def _cases():
         ("sum dim", lambda t: t.sum(0), [x], None, True),
         ("torch.sum dims keepdim", lambda t: torch.sum(t, (0, 2), keepdim=True), [x], None, True),
         ("sum dim -1", lambda t: t.sum(dim=-1), [e], None, True),
+        ("mean axis= keepdim", lambda t: t.mean(axis=2, keepdim=True) + t.sum(axis=(0, 1)).mean(), [x], None, True),
         ("sum bool", lambda t: (t > 0).sum(1), [x], None, False),
         ("mean", lambda t: t.mean(), [x], None, True),
         ("mean dim", lambda t: t.mean(dim=2), [x], None, True),

@@ -23,6 +23,7 @@ def _cases():
         ("reshape split heads", lambda t: t.reshape(4, 6, 2, 4), [x3], None, True),
         ("torch.reshape -1", lambda t: torch.reshape(t, (4, -1)), [x3], None, True),
         ("view tuple", lambda t: t.view((4, 48)), [x3], None, True),
+        ("view 0-d tensor size", lambda t: t.view(4, torch.tensor(12) // 2, 8), [x3], None, True),
         ("reshape Size", lambda t: t.reshape(torch.Size([2, 2, 6, 8])), [x3], None, True),
         # bits of a float sum are not exact: only split / replicated inputs here
         ("view dtype", lambda t: (t * 1).view(torch.int32), [u3],

@@ -4,6 +4,7 @@ import os
 import torch
 from torch.optim import optimizer as _optimizer
 
+from ..dtensor import autograd as _bridge
 from ..dtensor import dtensor as _dtensor_module
 from ..dtensor.autograd import local_input, wrap_local
 from ..dtensor.dtensor import DTensor
@@ -29,7 +30,13 @@ def _accelerated():
     _fastpath.configure(DTensor, torch.Tensor, Layout, dispatcher._FAST, dispatcher.torch_function_after_c,
                         torch.is_grad_enabled, torch.Tensor._make_wrapper_subclass, torch.strided, dispatcher._wrap_replicated,
                         replicate_layout)
-    _fastpath.configure_grad(dispatcher._PASSTHROUGH, torch._C._disabled_torch_function_impl, local_input, wrap_local,
+    _fastpath.configure_nodes(_bridge._wrap_c_apply, _bridge._unwrap_c_apply, torch._C._are_functorch_transforms_active,
+                              wrap_local, local_input, _bridge.local_grad, _bridge.Unwrap.__dict__["forward"].__func__,
+                              _bridge.Unwrap.__dict__["backward"].__func__, torch.Size)
+    _fastpath.configure_engine(engine_dispatch, torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+    _bridge.use_c_nodes(_fastpath)
+    _fastpath.configure_grad(dispatcher._PASSTHROUGH, torch._C._disabled_torch_function_impl, _fastpath.local_input,
+                             _fastpath.wrap_local,
                              dispatcher._note_view, dispatcher.torch_function_after_c_grad,
                              _fastpath._under_disabled_torch_function, dispatcher._NOT_HANDLED, dispatcher._NO_KWARGS)
     _fastpath.configure_decision(dispatcher._RULE_OF, dispatcher._CACHE, _RECORDERS, dispatcher._wrap_outs)

@@ -766,6 +766,15 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The configure_* functions: keep a reference to each of `vals` in the matching static of `slots`. */
+static PyObject *keep_all(PyObject **slots[], PyObject *vals[], int n) {
+    for (int i = 0; i < n; i++) {
+        Py_INCREF(vals[i]);
+        Py_XSETREF(*slots[i], vals[i]);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *configure_grad(PyObject *module, PyObject *args) {
     PyObject *pt, *di, *li, *wl, *nv, *gd, *ge, *nh, *ed;
     if (!PyArg_ParseTuple(args, "O!OOOOOOOO!:configure_grad", &PySet_Type, &pt, &di, &li, &wl, &nv, &gd, &ge, &nh,
@@ -774,11 +783,7 @@ static PyObject *configure_grad(PyObject *module, PyObject *args) {
     PyObject **slots[] = {&passthrough, &disabled_impl, &local_input_fn, &wrap_local_fn, &note_view_fn,
                           &grad_declined, &grad_entry, &not_handled_obj, &empty_dict};
     PyObject *vals[] = {pt, di, li, wl, nv, gd, ge, nh, ed};
-    for (int i = 0; i < 9; i++) {
-        Py_INCREF(vals[i]);
-        Py_XSETREF(*slots[i], vals[i]);
-    }
-    Py_RETURN_NONE;
+    return keep_all(slots, vals, 9);
 }
 
 static PyObject *configure_decision(PyObject *module, PyObject *args) {
@@ -795,6 +800,244 @@ static PyObject *configure_decision(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- the autograd bridge's nodes in C (dtensor/autograd.py: Wrap, Unwrap, wrap_local, local_input) ----------
+   Why: a training step makes one Wrap node per op output and one Unwrap node per parameter use. torch runs their
+   forward and backward as Python calls (plus BackwardCFunction.apply's own Python frame), which on a tiny model
+   cost more than the op. These are the same functions written in C, for the common cases only: a layout change
+   (a redistribution) or a gradient that must be moved is handed to the Python functions, which stay the
+   reference (autograd.use_c_nodes switches between the two; the tests run both). The nodes keep the same
+   attributes on their ctx in both versions. */
+static PyObject *wrap_apply;          /* torch's C _FunctionBase.apply bound to autograd.Wrap */
+static PyObject *unwrap_apply;        /* ... bound to autograd.Unwrap */
+static PyObject *functorch_active;    /* torch._C._are_functorch_transforms_active */
+static PyObject *wrap_local_py;       /* autograd.wrap_local: under functorch transforms (Function.apply's preamble) */
+static PyObject *local_input_py;      /* autograd.local_input: likewise */
+static PyObject *local_grad_py;       /* autograd.local_grad(grad, layout): a gradient that must be moved */
+static PyObject *unwrap_forward_py;   /* the Python Unwrap.forward(ctx, ...): an input that must be redistributed */
+static PyObject *unwrap_backward_py;  /* the Python Unwrap.backward(ctx, grad): a gradient that must be moved */
+static PyObject *size_type;           /* torch.Size, the type of every wrapper's _shape */
+static PyObject *s_layout, *s_src, *s_grad_layout, *s_is_leaf, *s_has_partial, *s_detach, *s_grad_fn;
+
+/* make_dtensor(local, layout, shape): a new wrapper around `local` (borrowed arguments; new reference). */
+static PyObject *new_dtensor(PyObject *local, PyObject *layout, PyObject *shape) {
+    PyObject *size = shape, *res = NULL;
+    if (Py_TYPE(shape) == (PyTypeObject *)size_type) Py_INCREF(size);
+    else if ((size = PyObject_CallOneArg(size_type, shape)) == NULL) return NULL;
+    PyObject *dtype = PyObject_GetAttr(local, s_dtype), *device = PyObject_GetAttr(local, s_device);
+    if (dtype != NULL && device != NULL) {
+        PyObject *argv[8] = {(PyObject *)dtensor_type, size, Py_None, Py_None, Py_None, dtype, strided, device};
+        res = PyObject_Vectorcall(make_wrapper, argv, 8, NULL);
+        if (res != NULL && (set_slot(res, &dt_local, local) < 0 || set_slot(res, &dt_layout, layout) < 0 ||
+                            set_slot(res, &dt_shape, size) < 0))
+            Py_CLEAR(res);
+    }
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    Py_DECREF(size);
+    return res;
+}
+
+/* 1 if functorch transforms are active (Function.apply's Python preamble must run), 0, -1 on error. */
+static int under_functorch(void) {
+    PyObject *r = PyObject_CallNoArgs(functorch_active);
+    if (r == NULL) return -1;
+    int yes = (r == Py_True);
+    Py_DECREF(r);
+    return yes;
+}
+
+/* The layout a gradient must have to be handed to a tensor of `layout` (autograd.grad_target) when that is
+   `layout` itself: 1; 0 when it has a pending reduction (the Python functions move it); -1 on error. */
+static int is_own_grad_target(PyObject *layout) {
+    PyObject *hp = PyObject_GetAttr(layout, s_has_partial);
+    if (hp == NULL) return -1;
+    int own = (hp == Py_False);
+    Py_DECREF(hp);
+    return own;
+}
+
+/* Wrap.forward(ctx, local, layout, shape) */
+static PyObject *wrap_forward(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "Wrap.forward(ctx, local, layout, shape)"); return NULL; }
+    if (PyObject_SetAttr(argv[0], s_layout, argv[2]) < 0) return NULL;
+    return new_dtensor(argv[1], argv[2], argv[3]);
+}
+
+/* Wrap.backward(ctx, grad) -> (local gradient, None, None) */
+static PyObject *wrap_backward(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "Wrap.backward(ctx, grad)"); return NULL; }
+    PyObject *grad = argv[1], *g = NULL;
+    PyObject *layout = PyObject_GetAttr(argv[0], s_layout);
+    if (layout == NULL) return NULL;
+    int own = 0;
+    if (Py_TYPE(grad) == dtensor_type) {
+        own = is_own_grad_target(layout);
+        if (own > 0) {
+            PyObject *gl = get_slot(grad, &dt_layout);
+            if (gl == NULL) own = -1;
+            else { own = (gl == layout); Py_DECREF(gl); }
+        }
+    }
+    if (own > 0) g = get_slot(grad, &dt_local);
+    else if (own == 0) g = PyObject_CallFunctionObjArgs(local_grad_py, grad, layout, NULL);
+    Py_DECREF(layout);
+    if (g == NULL) return NULL;
+    PyObject *res = PyTuple_Pack(3, g, Py_None, Py_None);
+    Py_DECREF(g);
+    return res;
+}
+
+/* Unwrap.forward(ctx, dt, target, grad_layout, is_leaf) */
+static PyObject *unwrap_forward(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "Unwrap.forward(ctx, dt, target, grad_layout, is_leaf)");
+        return NULL;
+    }
+    PyObject *ctx = argv[0], *dt = argv[1], *res = NULL;
+    PyObject *src = get_slot(dt, &dt_layout);
+    if (src == NULL) return NULL;
+    if (src != argv[2]) {  /* a redistribution: the Python function */
+        Py_DECREF(src);
+        return PyObject_Vectorcall(unwrap_forward_py, argv, nargs, NULL);
+    }
+    PyObject *shape = get_slot(dt, &dt_shape), *local = NULL;
+    if (shape != NULL && PyObject_SetAttr(ctx, s_src, src) == 0 && PyObject_SetAttr(ctx, s_shape, shape) == 0 &&
+        PyObject_SetAttr(ctx, s_grad_layout, argv[3]) == 0 && PyObject_SetAttr(ctx, s_is_leaf, argv[4]) == 0 &&
+        (local = get_slot(dt, &dt_local)) != NULL)
+        res = PyObject_CallMethodNoArgs(local, s_detach);
+    Py_XDECREF(local);
+    Py_XDECREF(shape);
+    Py_DECREF(src);
+    return res;
+}
+
+/* Unwrap.backward(ctx, grad) -> (DTensor gradient, None, None, None) */
+static PyObject *unwrap_backward(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "Unwrap.backward(ctx, grad)"); return NULL; }
+    PyObject *ctx = argv[0], *res = NULL, *src = NULL, *shape = NULL, *dt = NULL;
+    PyObject *glay = PyObject_GetAttr(ctx, s_grad_layout), *leaf = PyObject_GetAttr(ctx, s_is_leaf);
+    if (glay == NULL || leaf == NULL) goto done;
+    int moves = 0;
+    if (PyObject_IsTrue(leaf)) {  /* a leaf takes its gradient in its own layout (without pending sums) */
+        if ((src = PyObject_GetAttr(ctx, s_src)) == NULL) goto done;
+        int own = is_own_grad_target(src);
+        if (own < 0) goto done;
+        moves = !own || src != glay;
+    }
+    if (moves || Py_TYPE(argv[1]) != (PyTypeObject *)tensor_type) {
+        res = PyObject_Vectorcall(unwrap_backward_py, argv, nargs, NULL);
+        goto done;
+    }
+    if ((shape = PyObject_GetAttr(ctx, s_shape)) == NULL) goto done;
+    if ((dt = new_dtensor(argv[1], glay, shape)) == NULL) goto done;
+    res = PyTuple_Pack(4, dt, Py_None, Py_None, Py_None);
+done:
+    Py_XDECREF(dt);
+    Py_XDECREF(shape);
+    Py_XDECREF(src);
+    Py_XDECREF(leaf);
+    Py_XDECREF(glay);
+    return res;
+}
+
+/* autograd.wrap_local(local, layout, shape): Wrap through torch's C apply (Function.apply's preamble only does
+   something under functorch transforms). */
+static PyObject *wrap_local_c(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "wrap_local(local, layout, shape)"); return NULL; }
+    int f = under_functorch();
+    if (f < 0) return NULL;
+    return PyObject_Vectorcall(f ? wrap_local_py : wrap_apply, argv, 3, NULL);
+}
+
+/* autograd.local_input(t, target, grad_layout): the local itself in the identity case, else an Unwrap node. */
+static PyObject *local_input_c(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "local_input(t, target, grad_layout)"); return NULL; }
+    PyObject *t = argv[0];
+    if (Py_TYPE(t) != dtensor_type) return PyObject_Vectorcall(local_input_py, argv, 3, NULL);
+    PyObject *local = get_slot(t, &dt_local);
+    if (local == NULL) return NULL;
+    if (argv[1] == argv[2]) {
+        PyObject *layout = get_slot(t, &dt_layout);
+        if (layout == NULL) { Py_DECREF(local); return NULL; }
+        int same = (layout == argv[1]);
+        Py_DECREF(layout);
+        if (same) {
+            int rg = wrapper_requires_grad(local);
+            if (rg < 0) { Py_DECREF(local); return NULL; }
+            if (rg) return local;
+        }
+    }
+    Py_DECREF(local);
+    int f = under_functorch();
+    if (f < 0) return NULL;
+    if (f) return PyObject_Vectorcall(local_input_py, argv, 3, NULL);
+    PyObject *gf = PyObject_GetAttr(t, s_grad_fn);
+    if (gf == NULL) return NULL;
+    PyObject *call[4] = {t, argv[1], argv[2], gf == Py_None ? Py_True : Py_False};
+    Py_DECREF(gf);
+    return PyObject_Vectorcall(unwrap_apply, call, 4, NULL);
+}
+
+/* DTensor.__torch_dispatch__(func, types, args, kwargs): the autograd engine's own aten calls on wrappers. The one
+   of every training step, aten.detach of each parameter's gradient as AccumulateGrad stores it (and aten.alias),
+   is answered here: the same wrapper around the detached local, as engine_ops._alias makes; every other op goes
+   to engine_ops.engine_dispatch. */
+static PyObject *engine_dispatch_py;  /* engine_ops.engine_dispatch(func, args, kwargs) */
+static PyObject *aten_detach, *aten_alias;
+
+static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs < 3) { PyErr_SetString(PyExc_TypeError, "__torch_dispatch__(func, types, args, kwargs=None)"); return NULL; }
+    PyObject *func = argv[0], *args = argv[2], *kwargs = nargs > 3 ? argv[3] : Py_None;
+    if ((func == aten_detach || func == aten_alias) && PyTuple_Check(args) && PyTuple_GET_SIZE(args) == 1 &&
+        Py_TYPE(PyTuple_GET_ITEM(args, 0)) == dtensor_type && (kwargs == Py_None ||
+                                                                (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0))) {
+        PyObject *x = PyTuple_GET_ITEM(args, 0), *res = NULL;
+        PyObject *local = get_slot(x, &dt_local), *layout = get_slot(x, &dt_layout), *shape = get_slot(x, &dt_shape);
+        if (local != NULL && layout != NULL && shape != NULL) {
+            /* the Tensor method, not the OpOverload (whose __call__ is a Python frame): the same aten op */
+            PyObject *out = func == aten_detach ? PyObject_CallMethodNoArgs(local, s_detach) : PyObject_CallOneArg(func, local);
+            if (out != NULL) {
+                res = new_dtensor(out, layout, shape);
+                Py_DECREF(out);
+            }
+        }
+        Py_XDECREF(local);
+        Py_XDECREF(layout);
+        Py_XDECREF(shape);
+        return res;
+    }
+    PyObject *kw = kwargs;
+    if (kwargs == Py_None && (kw = PyDict_New()) == NULL) return NULL;
+    else if (kwargs != Py_None) Py_INCREF(kw);
+    PyObject *res = PyObject_CallFunctionObjArgs(engine_dispatch_py, func, args, kw, NULL);
+    Py_DECREF(kw);
+    return res;
+}
+
+static PyObject *configure_engine(PyObject *module, PyObject *args) {
+    PyObject *ed, *dt, *al;
+    if (!PyArg_ParseTuple(args, "OOO:configure_engine", &ed, &dt, &al)) return NULL;
+    PyObject **slots[] = {&engine_dispatch_py, &aten_detach, &aten_alias};
+    PyObject *vals[] = {ed, dt, al};
+    return keep_all(slots, vals, 3);
+}
+
+/* as_method(f): f bound as a method of the instances of the class it is set on (PyInstanceMethod), so that
+   torch's `ctx.apply(*grads)` calls a C backward with the ctx, as BackwardCFunction.apply would. */
+static PyObject *as_method(PyObject *module, PyObject *f) {
+    return PyInstanceMethod_New(f);
+}
+
+static PyObject *configure_nodes(PyObject *module, PyObject *args) {
+    PyObject *wa, *ua, *fa, *wl, *li, *lg, *uf, *ub, *sz;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO!:configure_nodes", &wa, &ua, &fa, &wl, &li, &lg, &uf, &ub, &PyType_Type, &sz))
+        return NULL;
+    PyObject **slots[] = {&wrap_apply, &unwrap_apply, &functorch_active, &wrap_local_py, &local_input_py,
+                          &local_grad_py, &unwrap_forward_py, &unwrap_backward_py, &size_type};
+    PyObject *vals[] = {wa, ua, fa, wl, li, lg, uf, ub, sz};
+    return keep_all(slots, vals, 9);
+}
+
 static PyMethodDef methods[] = {
     {"torch_function", (PyCFunction)(void (*)(void))torch_function, METH_FASTCALL | METH_KEYWORDS,
      "DTensor.__torch_function__: the replicated no-grad path in C, everything else in Python."},
@@ -805,6 +1048,21 @@ static PyMethodDef methods[] = {
      "(func, args, kwargs, grad): the grad-mode replicated path, then the decision cache hit; torch function off."},
     {"configure_decision", configure_decision, METH_VARARGS,
      "Switch on the decision path's cache hit, with the dispatcher's tables and helpers."},
+    {"configure_nodes", configure_nodes, METH_VARARGS,
+     "Hand the autograd nodes' C versions the Python objects they use (torch's apply bound to Wrap/Unwrap, ...)."},
+    {"wrap_forward", (PyCFunction)(void (*)(void))wrap_forward, METH_FASTCALL, "Wrap.forward(ctx, local, layout, shape)"},
+    {"wrap_backward", (PyCFunction)(void (*)(void))wrap_backward, METH_FASTCALL, "Wrap.backward(ctx, grad)"},
+    {"unwrap_forward", (PyCFunction)(void (*)(void))unwrap_forward, METH_FASTCALL,
+     "Unwrap.forward(ctx, dt, target, grad_layout, is_leaf)"},
+    {"unwrap_backward", (PyCFunction)(void (*)(void))unwrap_backward, METH_FASTCALL, "Unwrap.backward(ctx, grad)"},
+    {"wrap_local", (PyCFunction)(void (*)(void))wrap_local_c, METH_FASTCALL, "autograd.wrap_local(local, layout, shape)"},
+    {"local_input", (PyCFunction)(void (*)(void))local_input_c, METH_FASTCALL,
+     "autograd.local_input(t, target, grad_layout)"},
+    {"torch_dispatch", (PyCFunction)(void (*)(void))torch_dispatch, METH_FASTCALL,
+     "DTensor.__torch_dispatch__: aten.detach/alias of a wrapper in C, every other engine op in engine_ops."},
+    {"configure_engine", configure_engine, METH_VARARGS,
+     "Hand torch_dispatch engine_ops.engine_dispatch and the aten ops it answers itself."},
+    {"as_method", as_method, METH_O, "f as a method of the instances of the class it is set on (PyInstanceMethod)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", NULL, -1, methods};
@@ -813,11 +1071,13 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     PyObject **names[] = {&dt_local.name, &dt_layout.name, &s_shape, &dt_shape.name, &layout_is_replicate.name,
                           &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device, &s_view_of,
                           &s_requires_grad, &s_base, &s_float_args_matter, &s_in_layouts, &s_grad_layouts,
-                          &s_out_layouts, &s_out_shapes, &s_local_fn};
+                          &s_out_layouts, &s_out_shapes, &s_local_fn, &s_layout, &s_src, &s_grad_layout, &s_is_leaf,
+                          &s_has_partial, &s_detach, &s_grad_fn};
     const char *texts[] = {"_local", "_layout", "shape", "_shape", "is_replicate", "mesh", "replicated_layouts",
                            "dtype", "device", "_view_of", "requires_grad", "_base",
-                           "float_args_matter", "in_layouts", "grad_layouts", "out_layouts", "out_shapes", "local_fn"};
-    for (int i = 0; i < 18; i++) {
+                           "float_args_matter", "in_layouts", "grad_layouts", "out_layouts", "out_shapes", "local_fn",
+                           "layout", "src", "grad_layout", "is_leaf", "has_partial", "detach", "grad_fn"};
+    for (int i = 0; i < 25; i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL) return NULL;
     }

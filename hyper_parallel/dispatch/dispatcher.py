@@ -122,11 +122,17 @@ def count_calls():
             counts.update({k: STATS[k] - before[k] for k in STATS})
 
 
+def is_inplace_op(name: str) -> bool:
+    """Does the op of this qualified name write into its first argument (`Tensor.add_`, `__iadd__`, ...)?
+    Dunders end with "_" too (`__and__`), so the trailing underscore alone does not say."""
+    short = name.rsplit(".", 1)[-1]
+    return short in _INPLACE_DUNDERS or (short.endswith("_") and not short.endswith("__")
+                                         and name.startswith("torch.Tensor."))
+
+
 def _resolve(func):
     name = registry.op_name(func)
-    short = name.rsplit(".", 1)[-1]
-    inplace = short in _INPLACE_DUNDERS or (short.endswith("_") and not short.endswith("__")
-                                            and name.startswith("torch.Tensor."))
+    inplace = is_inplace_op(name)
     rule = registry.RULES.get(name)
     entry = (name, rule, inplace)
     _RULE_OF[func] = entry

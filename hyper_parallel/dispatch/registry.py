@@ -26,11 +26,11 @@ class MissingOpError(NotImplementedError):
 
 
 def op_name(func) -> str:
-    if isinstance(func, torch._ops.HigherOrderOperator):  # its repr holds an address: named as torch.ops names it
-        return f"torch.ops.higher_order.{func.name()}"
     name = torch.overrides.resolve_name(func)
     if name is None and getattr(torch, getattr(func, "__name__", ""), None) is func:
         name = f"torch.{func.__name__}"  # torch._foreach_add_, torch._grouped_mm: builtins resolve_name skips
+    if name is None and isinstance(func, torch._ops.HigherOrderOperator):  # an instance: no __qualname__
+        name = f"torch.ops.higher_order.{func.name()}"
     if name is None:
         owner = getattr(func, "__self__", None)
         name = f"{getattr(func, '__module__', None) or type(owner).__module__}.{getattr(func, '__qualname__', repr(func))}"

@@ -141,6 +141,29 @@ def local_input(t, target, grad_layout):
     return _unwrap_c_apply(t, target, grad_layout, t.grad_fn is None)
 
 
+# The Python nodes are the reference; the dispatcher's C module has the same forward and backward for the common
+# cases (no redistribution, no gradient to move), which `use_c_nodes` installs. Both keep the same ctx attributes.
+_PYTHON_NODES = {cls: (cls.__dict__["forward"], cls.__dict__["backward"]) for cls in (Wrap, Unwrap)}
+
+
+def use_c_nodes(fastpath) -> None:
+    """Run Wrap's and Unwrap's forward and backward, and DTensor.__torch_dispatch__ (the engine's aten.detach of
+    every gradient it stores), in C (`fastpath`: the dispatcher's C module, configured) or, with None, in Python.
+    torch calls a node's backward as `ctx.apply(*grads)`, a Python frame (BackwardCFunction.apply) before the
+    backward's own: the C backward replaces that `apply` on the node class."""
+    dt_cls = _dt.DTensor
+    dt_cls.__torch_dispatch__ = (dt_cls.__dict__["_python_torch_dispatch"] if fastpath is None
+                                 else staticmethod(fastpath.torch_dispatch))
+    for cls, name in ((Wrap, "wrap"), (Unwrap, "unwrap")):
+        if fastpath is None:
+            cls.forward = _PYTHON_NODES[cls][0]
+            if "apply" in cls._backward_cls.__dict__:
+                del cls._backward_cls.apply
+        else:
+            cls.forward = staticmethod(getattr(fastpath, name + "_forward"))
+            cls._backward_cls.apply = fastpath.as_method(getattr(fastpath, name + "_backward"))
+
+
 # ---- the autograd API on wrappers whose gradient arrives at their local -----------------------
 def _at_local(t) -> bool:
     """Every gradient of `t` passes through its local (see the module docstring): hooks and inputs go there."""

@@ -39,6 +39,8 @@ class DTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _engine_dispatch(func, args, kwargs or {})
 
+    _python_torch_dispatch = __torch_dispatch__  # the reference, when the C twin is installed (autograd.use_c_nodes)
+
     # ---- construction --------------------------------------------------------------------
     @staticmethod
     def from_local(local: torch.Tensor, layout, placements=None, *, shape=None, run_check: bool = False) -> "DTensor":

@@ -5,6 +5,7 @@ import numbers
 
 import torch
 
+from ..dispatch.dispatcher import is_inplace_op
 from .base import Partial, Replicate, Shard, Signature, SignatureRule, REPLICATE
 
 _P = Partial("sum")
@@ -24,7 +25,7 @@ class Elementwise(SignatureRule):
         # pointwise: the broadcast of the tensor inputs (meta kernels of pointwise ops are slow Python refs)
         if not inputs:
             return None
-        if self.name.endswith((".to", ".type_as", "_")) or self.name.startswith("torch.Tensor.__i"):
+        if self.name.endswith((".to", ".type_as")) or is_inplace_op(self.name):
             return [tuple(inputs[0].shape)]  # casts and in-place ops keep the first tensor's shape
         return [tuple(torch.broadcast_shapes(*[s.shape for s in inputs]))]
 

@@ -168,8 +168,6 @@ class SetItem(Rule):
                 if v_spec is not None and vd >= 0 and v_spec.shape[vd] == x.shape[d]:
                     v_map[vd].append(a)
             elif item[0] in ("int", "slice"):
-                if plan.has_adv:
-                    self.fail(call, f"dim {d} is split and indexed together with tensor indices")
                 off = lay.local_offset(x.shape)[d]
                 translate[d] = (off, lay.local_shape(x.shape)[d])
             else:
@@ -180,6 +178,10 @@ class SetItem(Rule):
             order = {a: i for axes in lay.tensor_map for i, a in enumerate(axes)}
             v_map = [sorted(axes, key=lambda a: order.get(a, 0)) for axes in v_map]
             ins.append(v_spec.layout.with_map(v_map, v_partial))
+        if plan.has_adv and translate:
+            kept = {it[1] for it in plan.items if it[0] == "int" and it[1] in translate}
+            if _adv_adjacent(plan.items, kept) != _adv_adjacent(plan.items, set()):
+                self.fail(call, f"dims {sorted(kept)} are split and indexed by ints between tensor indices")
         root = all(mesh.coordinate[a] == 0 for a, p in enumerate(lay.partial) if p == "sum")
         zero_scalar = v_spec is None and not root
         if not translate and not zero_scalar:
@@ -238,9 +240,23 @@ def _slice_piece(positions: range, offset: int, length: int) -> tuple[int, int, 
     return first, stop - first, slice(lo, lo + (stop - first - 1) * step + 1, step)
 
 
+def _adv_adjacent(items: list, int_dims: set) -> bool:
+    """Are the tensor indices adjacent once the ints on `int_dims` become one-wide slices? (torch then puts
+    the indexed dims where the tensors are; otherwise first.) Other ints drop their dim before indexing."""
+    post = [k for k, it in enumerate(items) if it[0] != "int" or it[1] in int_dims]
+    advs = [k for k in post if items[k][0] == "adv"]
+    return bool(advs) and post.index(advs[-1]) - post.index(advs[0]) == len(advs) - 1
+
+
 def _local_setitem(plan: IndexPlan, translate: dict, shape: tuple, r_nd: int, v_nd: int, zero_scalar: bool):
-    """The local write for this rank: global positions on split dims become local ones."""
-    index, steps, p = [], [], 0
+    """The local write for this rank: global positions on split dims become local ones.
+
+    An int on a split dim becomes a one-wide slice (empty on ranks that do not hold the position) and the value
+    gets that dim (`steps`): `p` follows the value's dims, with the tensor indices' dims first or in place."""
+    index, steps = [], []
+    in_place = _adv_adjacent(plan.items, {it[1] for it in plan.items if it[0] == "int" and it[1] in translate})
+    p = plan.adv_ndim if plan.has_adv and not in_place else 0
+    adv_seen = False
     for it in plan.items:
         kind = it[0]
         if kind == "new":
@@ -248,7 +264,9 @@ def _local_setitem(plan: IndexPlan, translate: dict, shape: tuple, r_nd: int, v_
             p += 1
         elif kind == "adv":
             index.append(("tensor",))
-            p += it[2]
+            if in_place and not adv_seen:
+                p += plan.adv_ndim
+            adv_seen = True
         elif kind == "slice":
             d, sl = it[1], it[2]
             if d in translate:
@@ -270,7 +288,7 @@ def _local_setitem(plan: IndexPlan, translate: dict, shape: tuple, r_nd: int, v_
                 index.append(it[2])
 
     def fn(x, idx, value):
-        tensors = iter([e for e in (idx if type(idx) is tuple else (idx,)) if isinstance(e, torch.Tensor)])
+        tensors = iter([e for e in (idx if type(idx) is tuple else (idx,)) if isinstance(e, (torch.Tensor, list, tuple))])
         local_idx = tuple(next(tensors) if e == ("tensor",) else e for e in index)
         if isinstance(value, torch.Tensor):
             v = value.reshape((1,) * (r_nd - v_nd) + tuple(value.shape)) if r_nd > v_nd else value

@@ -16,8 +16,8 @@ from .shape import LINEAR, NONE, derive, dims_arg, main_strategy, nonempty_limit
 _LEGACY = "legacy"  # softmax without dim: torch's implicit choice
 
 
-def reduced_dims(call: OpCall, index: int, default, names=("dim",)) -> tuple:
-    """The dims an op reduces, from its dim argument (None: every dim)."""
+def reduced_dims(call: OpCall, index: int, default, names=("dim", "axis")) -> tuple:
+    """The dims an op reduces, from its dim argument (None: every dim); torch takes numpy's `axis=` too."""
     x = call.inputs[0]
     value = default
     if index is not None and index < len(call.args):

@@ -215,9 +215,9 @@ class View(Rule):
             same = first.itemsize == x.dtype.itemsize
             keep = {d: d for d in range(x.ndim) if same or d < x.ndim - 1}
             return main_strategy(call, keep, passes=NONE)  # bits of a pending sum are not its bits
-        if call.out_shapes is None:
+        out_shape = call.out_shapes[0] if call.out_shapes is not None else self._shape_from_tensor_sizes(call)
+        if out_shape is None:
             return replicate_all(call)
-        out_shape = call.out_shapes[0]
         keep, limit = view_plan(x.layout, x.shape, out_shape)
         in_lay, out_lay = derive(x.layout, len(out_shape), keep, None, ALL_OPS, limit)
         local_out = local_shape(out_lay, out_shape)
@@ -226,6 +226,27 @@ class View(Rule):
             return t.reshape(local_out)
         ins = [in_lay] + [s.layout for s in call.inputs[1:]]  # view_as's argument only gives a shape
         return Strategy(ins, [out_lay], fn)
+
+
+    def _shape_from_tensor_sizes(self, call: OpCall) -> tuple | None:
+        """view(b, n, ...) with a size given as a 0-d integer tensor (`seq_len // w` computed on tensors): the
+        meta run cannot read it, so read it here (a plain tensor, or a replicated DTensor's local value).
+        The decision cache keys tensors by shape, not value, so a size the tensor alone decides (with a
+        -1 beside it, or two tensor sizes) could be replayed for another value: refused."""
+        sizes = list(call.args[1:])
+        if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = list(sizes[0])
+        tensors = [v for v in sizes if isinstance(v, torch.Tensor)]
+        if not tensors or any(v.ndim or v.is_floating_point() or v.is_complex() for v in tensors):
+            return None
+        local = [getattr(v, "_local", v) for v in tensors]
+        if any(getattr(v, "_layout", None) is not None and not v._layout.is_replicate for v in tensors):
+            return None
+        if len(tensors) > 1 or any(not isinstance(v, torch.Tensor) and v == -1 for v in sizes):
+            self.fail(call, "a size given as a tensor beside -1 or another tensor size; give it as an int")
+        values = iter(int(v) for v in local)
+        ints = [next(values) if isinstance(v, torch.Tensor) else v for v in sizes]
+        return tuple(torch.empty(call.inputs[0].shape, device="meta").view(ints).shape)
 
 
 def _probe(shape: tuple):

@@ -18,6 +18,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--model-type", action="append", default=[], metavar="TYPE",
                    help="any transformers model_type (repeatable), or 'all': a tiny random model of that type built "
                         "from its default config, each type in its own process")
+    c.add_argument("--types-from", metavar="FILE.json",
+                   help="--model-type: also the types whose plain run worked in an earlier report (its --json)")
+    c.add_argument("--rerun", metavar="FILE.json",
+                   help="re-run the types of an earlier --model-type report (its --json) whose status a fix may "
+                        "change (not ok / plain failed / not built / no tp plan), in its scenario, and write the "
+                        "merged report with --json / --markdown (FILE itself is only read)")
     c.add_argument("--jobs", type=int, default=1, metavar="N", help="--model-type: types run at once (default 1)")
     c.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="--model-type: seconds a type may take before it is killed (default 300)")
@@ -49,11 +55,13 @@ def census_main(args: argparse.Namespace) -> int:
         for name, entry in MODELS.items():
             print(f"{name:<20} {entry.description}")
         return 0
-    if not args.model and not args.model_path and not args.model_type:
+    if args.rerun or args.types_from:
+        args.model_type = args.model_type or []
+    if not args.model and not args.model_path and not (args.model_type or args.rerun or args.types_from):
         print("hyper-parallel census: give --model NAME (or 'all'), --model-type TYPE (or 'all'), --model-path DIR, "
               "or --list", file=sys.stderr)
         return 2
-    if args.model_type:
+    if args.model_type or args.rerun or args.types_from:
         if args.model or args.model_path:
             print("hyper-parallel census: --model-type runs on its own (not with --model / --model-path)",
                   file=sys.stderr)
@@ -104,6 +112,7 @@ def census_main(args: argparse.Namespace) -> int:
 def _command(args: argparse.Namespace) -> str:
     """The census command line that reproduces a type census (written into its markdown report)."""
     parts = ["hyper-parallel census"] + [f"--model-type {t}" for t in args.model_type]
+    parts += [f"--{k} {v}" for k, v in (("types-from", args.types_from), ("rerun", args.rerun)) if v]
     parts += [f"--{k} {v}" for k, v in (("dp", args.dp), ("tp", args.tp), ("jobs", args.jobs)) if v]
     if args.mode != "all":
         parts.append(f"--mode {args.mode}")
@@ -113,7 +122,22 @@ def _command(args: argparse.Namespace) -> str:
 def _type_census(args: argparse.Namespace) -> int:
     """`census --model-type ...`: each type built tiny in its own process (see tools/census_types.py)."""
     from .auto_models import all_model_types
-    from .census_types import run_type_census, write_type_json
+    from .census_types import read_type_json, run_type_census, write_type_json
+    base = None
+    command = _command(args)  # before the types of --rerun / --types-from join args.model_type
+    try:
+        if args.rerun:
+            base = read_type_json(args.rerun)
+            if not _scenario_from(args, base.scenario):
+                return 2
+            args.model_type = base.to_rerun() + [t for t in args.model_type if t not in base.to_rerun()]
+        if args.types_from:
+            earlier = read_type_json(args.types_from)
+            args.model_type = list(dict.fromkeys(args.model_type + [r.model_type for r in earlier.counted()]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"hyper-parallel census: cannot read the report {args.rerun or args.types_from}: {e} (give the "
+              f"--json file of an earlier --model-type census)", file=sys.stderr)
+        return 2
     known = set(all_model_types())
     unknown = [t for t in args.model_type if t != "all" and t not in known]
     if unknown:
@@ -124,6 +148,9 @@ def _type_census(args: argparse.Namespace) -> int:
     report = run_type_census(args.model_type, args.mode, jobs=args.jobs, dp=args.dp, tp=args.tp,
                              timeout=args.timeout, max_new_tokens=args.max_new_tokens, seed=args.seed,
                              progress=lambda line: print(line, flush=True))
+    report.commands = [command]
+    if base is not None:
+        report = base.merged(report)
     print()
     print(report.table())
     if args.json:
@@ -131,7 +158,7 @@ def _type_census(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(report.markdown(command=_command(args)))
+            f.write(report.markdown())
         print(f"wrote {args.markdown}")
     counted = report.counted()
     if any(r.status != "ok" for r in counted):
@@ -139,6 +166,20 @@ def _type_census(args: argparse.Namespace) -> int:
     if args.strict and report.missing_union():
         return 2
     return 0
+
+
+def _scenario_from(args: argparse.Namespace, scenario: str) -> bool:
+    """--rerun: take the report's scenario ("dp 2", "tp 2", "single"); False (after saying why) on a mismatch."""
+    kind, _, world = scenario.partition(" ")
+    wanted = {"dp": args.dp, "tp": args.tp}
+    if kind in wanted and not wanted[kind] and not any(wanted.values()):
+        setattr(args, kind, int(world))
+    given = "dp" if args.dp else ("tp" if args.tp else "single")
+    if (given, str(args.dp or args.tp or "")) != (kind, world):
+        print(f"hyper-parallel census: --rerun {args.rerun} is a {scenario!r} report; rerun it in that scenario "
+              f"(drop --dp / --tp, or give the same)", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

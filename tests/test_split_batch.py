@@ -1,0 +1,128 @@
+"""Property tests for what a batch split (the census's `--dp 2`) meets: writes through mixed indices into a
+tensor split on any dim, and pointwise dunders whose first operand is the smaller of a broadcast, against
+plain torch on the same full tensors. Cases are drawn here and run in one batch per example on 2 ranks."""
+import pytest
+import torch
+
+import hyper_parallel as hp
+
+try:
+    from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+except ImportError:  # pragma: no cover - hypothesis is in requirements-dev.txt
+    given = None
+
+BATCH = 30
+
+
+def _index(entries: list, shape: tuple, g: torch.Generator) -> tuple:
+    """The index an entry list describes: ("int", i), ("slice", start, stop, step), ("list", k), ("all",)."""
+    out = []
+    for e, n in zip(entries, shape):
+        if e[0] == "int":
+            out.append(e[1] % n - (n if e[1] % 2 else 0))  # negative ints too
+        elif e[0] == "slice":
+            out.append(slice(e[1], e[2], e[3]))
+        elif e[0] == "list":
+            out.append(torch.randperm(n, generator=g)[:max(1, e[1] % n)].tolist())  # distinct: exact writes
+        else:
+            out.append(slice(None))
+    return tuple(out)
+
+
+def _setitem_cases(rank, world, cases):
+    """Per case: "ok" (equal to plain torch), "loud" (a layout error), "plain" (torch itself refuses), or why not."""
+    mesh = hp.Layout((world,), ("dp",))
+    results = []
+    for shape, split, entries, scalar, seed in cases:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(shape, generator=g)
+        index = _index(entries, shape, g)
+        try:
+            target = x[index]
+        except IndexError:
+            results.append("plain")
+            continue
+        value = 0.5 if scalar else torch.randn(target.shape[1:] if target.ndim and seed % 2 else target.shape,
+                                              generator=g)
+        ref = x.clone()
+        ref[index] = value
+        d = hp.distribute_tensor(x.clone(), mesh(*("dp" if k == split else "None" for k in range(len(shape)))),
+                                 src_data_rank=None)
+        try:
+            d[index] = value
+        except RuntimeError as e:
+            results.append("loud" if "laid out" in str(e) else f"error: {e}")
+            continue
+        results.append("ok" if torch.equal(d.full_tensor(), ref) else f"differs: {index}")
+    return results
+
+
+def _may_refuse(case) -> bool:
+    """The writes the rule refuses by design: through a tensor index into the split dim, or through an int on
+    the split dim between tensor indices (as a one-wide slice it would move the indexed dims)."""
+    _, split, entries, _, _ = case
+    lists = [k for k, e in enumerate(entries) if e[0] == "list"]
+    return entries[split][0] == "list" or (entries[split][0] == "int" and bool(lists) and
+                                           min(lists) < split < max(lists))
+
+
+def _broadcast_cases(rank, world, cases):
+    """a <op> b on DTensors split on a dim of the result, a the smaller operand."""
+    mesh = hp.Layout((world,), ("dp",))
+    ops = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b, "and": lambda a, b: (a > 0) & (b > 0),
+           "eq": lambda a, b: a.round() == b.round(), "sub": lambda a, b: a - b}
+    results = []
+    for a_shape, b_shape, split_a, split_b, op, seed in cases:
+        g = torch.Generator().manual_seed(seed)
+        a, b = torch.randn(a_shape, generator=g), torch.randn(b_shape, generator=g)
+        lay = lambda s, n: mesh(*("dp" if k == s else "None" for k in range(n)))  # noqa: E731
+        da = hp.distribute_tensor(a, lay(split_a, a.ndim), src_data_rank=None)
+        db = hp.distribute_tensor(b, lay(split_b, b.ndim), src_data_rank=None)
+        out = ops[op](da, db)
+        ref = ops[op](a, b)
+        results.append("ok" if tuple(out.shape) == tuple(ref.shape) and torch.equal(out.full_tensor(), ref)
+                       else f"{op} {a_shape} {b_shape}: {tuple(out.shape)} vs {tuple(ref.shape)}")
+    return results
+
+
+if given is not None:
+    _entry = st.one_of(st.tuples(st.just("int"), st.integers(0, 11)),
+                       st.tuples(st.just("slice"), st.sampled_from([None, 0, 1, -2]), st.sampled_from([None, 3, -1]),
+                                 st.sampled_from([None, 1, 2])),
+                       st.tuples(st.just("list"), st.integers(1, 5)), st.tuples(st.just("all")))
+
+    @st.composite
+    def _setitem_case(draw):
+        shape = tuple(draw(st.lists(st.integers(2, 5), min_size=2, max_size=3)))
+        entries = draw(st.lists(_entry, min_size=len(shape), max_size=len(shape)))
+        return shape, draw(st.integers(0, len(shape) - 1)), entries, draw(st.booleans()), draw(st.integers(0, 999))
+
+    @st.composite
+    def _broadcast_case(draw):
+        out = draw(st.lists(st.integers(2, 4), min_size=2, max_size=3))
+        a = tuple(1 if draw(st.booleans()) else n for n in out)  # the first operand broadcasts up
+        b = tuple(out)
+        return (a, b, draw(st.integers(0, len(a) - 1)), draw(st.integers(0, len(b) - 1)),
+                draw(st.sampled_from(["add", "mul", "and", "eq", "sub"])), draw(st.integers(0, 999)))
+
+    _SETTINGS = dict(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                     derandomize=True, phases=[Phase.explicit, Phase.generate])
+
+    @settings(**_SETTINGS)
+    @given(st.lists(_setitem_case(), min_size=BATCH, max_size=BATCH))
+    def test_setitem_mixed_index_on_split_dims(dist2, cases):
+        per_rank = dist2.run(_setitem_cases, cases)
+        assert per_rank[0] == per_rank[1], "ranks disagree (an error on one rank only hangs the other)"
+        bad = [(c, r) for c, r in zip(cases, per_rank[0]) if r not in ("ok", "plain") and
+               not (r == "loud" and _may_refuse(c))]
+        assert not bad, bad[:5]
+
+    @settings(**_SETTINGS)
+    @given(st.lists(_broadcast_case(), min_size=BATCH, max_size=BATCH))
+    def test_broadcast_dunders_on_split_operands(dist2, cases):
+        per_rank = dist2.run(_broadcast_cases, cases)
+        bad = [r for r in per_rank[0] + per_rank[1] if r != "ok"]
+        assert not bad, bad[:5]
+else:
+    def test_setitem_mixed_index_on_split_dims():
+        pytest.skip("hypothesis is not installed")
