@@ -10,9 +10,11 @@ import contextlib
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
+from torch._functorch.autograd_function import custom_function_call
 
 from ..dtensor import autograd as autograd_bridge
-from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Wrap, local_input, wrap_local
+from ..dtensor.autograd import InplaceViewWrap, InplaceWrap, Wrap, _unwrap_c_apply, local_input, wrap_local
 from ..dtensor.dtensor import DTensor, make_dtensor
 from ..layout.layout import Layout, replicate_layout
 from ..redistribute.planner import redistribute_local
@@ -38,7 +40,7 @@ _PASSTHROUGH = {
     Tensor.requires_grad_, Tensor.retain_grad, Tensor.register_hook, Tensor.backward,
     Tensor.register_post_accumulate_grad_hook, Tensor.element_size, Tensor.is_floating_point,
     Tensor.is_complex, Tensor.is_signed, Tensor.get_device, Tensor.is_contiguous, Tensor.__hash__,
-    Tensor.dim_order, Tensor.__format__, Tensor.is_inference, Tensor._is_view, Tensor.__dir__,
+    Tensor.dim_order, Tensor.is_inference, Tensor._is_view, Tensor.__dir__,
     Tensor.__reduce_ex__, Tensor.storage_offset, Tensor.is_shared,
     torch.is_complex, torch.is_floating_point,  # metadata queries (optimizers ask them of every param)
 }
@@ -59,6 +61,8 @@ _AUTOGRAD_API = {
     Tensor.backward: autograd_bridge.backward,
 }
 _PASSTHROUGH.discard(Tensor.backward)
+# `torch.Tensor.__format__(t, spec)` called by name: what `format(t, spec)` gives (DTensor.__format__)
+_AUTOGRAD_API[Tensor.__format__] = lambda func, args, kwargs: DTensor.__format__(*args, **kwargs)
 
 
 def _set_data(func, args, kwargs):
@@ -320,24 +324,38 @@ def _returns_first_list(out: list, a0, loc0) -> bool:
 
 
 def _note_view(result, args, loc0, out, func, largs, lkwargs):
-    """Remember that `result` views args[0], so an in-place write to it can give the base its history
-    (torch's CopySlices); False when the view was taken of a redistributed copy (a write would be lost)."""
+    """Remember what `result` (a torch view, `out._base` set) was taken of, for in-place writes into it.
+
+    `loc0` is args[0]'s own local when the op ran on it, None when it ran on a moved copy (or through a rule's
+    `local_fn`), which is then `largs[0]`. A view of args[0]'s local notes (args[0], func, args) so a write can give
+    the base its history (torch's CopySlices); a view of a moved copy notes False, so a write into it raises (it would
+    not reach the original), as does a view of another input. A view of none of the inputs is a view of a tensor the
+    op made itself (`F.linear` with a bias on a 3-d input returns its 2-d `addmm` result reshaped): a write into it
+    reaches no input, exactly as on one device, so it needs no note."""
     base = out._base
     if base is not None and type(args[0]) is DTensor and type(result) is DTensor and result is not args[0]:
-        if loc0 is not None and (base is loc0 or (loc0._base is not None and base is loc0._base)):
-            result._view_of = (args[0], func, largs[1:], lkwargs)
-        else:
+        ran_on = largs[0] if loc0 is None else loc0
+        if base is ran_on or (ran_on._base is not None and base is ran_on._base):  # inline: grad-mode views
+            result._view_of = False if loc0 is None else (args[0], func, largs[1:], lkwargs)
+        elif any(_is_view_of(base, t) for t in list(largs[1:]) + list(lkwargs.values())):
             result._view_of = False
     return result
 
 
+def _is_view_of(base, t) -> bool:
+    """Does a view whose `_base` is `base` share memory with tensor `t` (torch points every view at its root)?"""
+    return isinstance(t, Tensor) and (base is t or (t._base is not None and base is t._base))
+
+
 def _refuse_lost_write(target, name="an in-place op") -> None:
     """Raise, before anything runs (the local shard may be a real view of the original's), when `target` is a view
-    that was taken of a redistributed copy or through a local reshape: the write would not reach the original."""
+    that was taken of a redistributed copy (or of another input, or through a local reshape): the write would not
+    reach the original."""
     if getattr(target, "_view_of", None) is False:
-        raise RuntimeError(f"{name} writes into a view of a DTensor that was redistributed to take the view, so "
-                           f"the write would not reach the original tensor ({target._layout}). Write into the "
-                           f"original with index assignment (x[...] = v) or redistribute it first.")
+        raise RuntimeError(f"{name} writes into a view that an op took of a redistributed copy of a DTensor (or of "
+                           f"another of its inputs), so the write would not reach the original tensor "
+                           f"({target._layout}). Write into the original with index assignment (x[...] = v) or "
+                           f"redistribute it first.")
 
 
 def _finish_inplace(target, local_out, grad, name="an in-place op"):
@@ -738,16 +756,7 @@ def _missing(func, name, inplace, args, kwargs, leaves, mesh):
                           if type(t) is DTensor else f"plain {tuple(t.shape)}" for t in leaves)
         raise registry.missing_op_error(name, specs)
     grad = _is_grad_enabled() and any(t.requires_grad for t in leaves)
-    locs = []
-    for t in leaves:
-        if type(t) is not DTensor:
-            locs.append(t)
-        elif t._layout.is_replicate:
-            locs.append(local_input(t, t._layout, t._layout) if grad and t.requires_grad else t._local)
-        else:
-            full = t._layout.replicated()
-            locs.append(local_input(t, full, full) if grad and t.requires_grad
-                        else redistribute_local(t._local, t._layout, full, t._shape))
+    locs = _full_locals(leaves, grad)
     largs, lkwargs = _swap_args(args, kwargs, locs)
     out = func(*largs, **lkwargs)
     if mesh is None:
@@ -763,3 +772,61 @@ def _missing(func, name, inplace, args, kwargs, leaves, mesh):
             new = redistribute_local(new, target._layout.replicated(), target._layout, target._shape)
         return _finish_inplace(target, new, grad)
     return _wrap_replicated(out, mesh, grad)
+
+
+def _full_locals(leaves, grad, unwrap=local_input):
+    """The global value of each tensor leaf as a plain tensor (split and pending ones gathered), autograd-connected
+    to its DTensor through `unwrap` when `grad`."""
+    locs = []
+    for t in leaves:
+        if type(t) is not DTensor:
+            locs.append(t)
+        elif t._layout.is_replicate:
+            locs.append(unwrap(t, t._layout, t._layout) if grad and t.requires_grad else t._local)
+        else:
+            full = t._layout.replicated()
+            locs.append(unwrap(t, full, full) if grad and t.requires_grad
+                        else redistribute_local(t._local, t._layout, full, t._shape))
+    return locs
+
+
+def _unwrap_outside_transforms(t, target, grad_layout):
+    """`local_input` for a DTensor a functorch transform captured, called with functorch disabled."""
+    local = t._local
+    if local.requires_grad and target is t._layout and grad_layout is target:
+        return local
+    allowed = _functorch.get_single_level_autograd_function_allowed()
+    _functorch.set_single_level_autograd_function_allowed(True)  # as functorch's own custom_function_call does
+    try:
+        return _unwrap_c_apply(t, target, grad_layout, t.grad_fn is None)
+    finally:
+        _functorch.set_single_level_autograd_function_allowed(allowed)
+
+
+def _function_under_transform(func, args, kwargs):
+    """`autograd.Function.apply` under a functorch transform (`torch.vmap`, `torch.func.grad`), which torch turns
+    into the `custom_function_call` higher-order op, with DTensor arguments: transformers' vmapped attention masks
+    index the tensors they capture this way (`TransformGetItemToIndex` makes `t[b, kv]` a `ModIndex.apply`).
+
+    Its outputs are functorch tensors (batched at the transform's level). Wrapped in a DTensor they would hide that
+    batch from functorch, which sees only the wrapper (and would broadcast it at the exit instead of unbatching it),
+    so the Function runs on the global values of its DTensor arguments (split or pending ones gathered: the same
+    collectives on every rank, decided from layouts) and its outputs stay plain tensors: global values, which the
+    dispatcher treats as replicated wherever they later meet DTensors. Gradients reach DTensor arguments through
+    their locals, as on the replicated path."""
+    leaves = []
+    _collect(args, leaves)
+    if kwargs:
+        _collect(kwargs.values(), leaves)
+    if _RECORDERS:
+        registry.note_op(registry.op_name(func), missing=False)
+    grad = _is_grad_enabled() and any(t.requires_grad for t in leaves)
+    # The DTensors are values the transformed function captured, not the transform's own tensors: their locals
+    # are taken outside the transform (functorch would refuse Unwrap, which has no setup_context for it).
+    with torch._C._DisableFuncTorch():
+        locs = _full_locals(leaves, grad, unwrap=_unwrap_outside_transforms)
+    largs, lkwargs = _swap_args(args, kwargs, locs)
+    return func(*largs, **lkwargs)
+
+
+_AUTOGRAD_API[custom_function_call] = _function_under_transform

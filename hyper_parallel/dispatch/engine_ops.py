@@ -1,12 +1,14 @@
 """The few aten ops that reach DTensor below __torch_function__: the autograd engine's own calls.
 
 Seen in training: gradient accumulation (add), nn.Parameter (detach/alias), the backward seed
-(ones_like), optimizers' state (zeros_like/empty_like), grad clones. Anything else is a path the
+(ones_like), optimizers' state (zeros_like/empty_like), grad clones; and functorch's `torch.vmap` exit,
+which expands an output it does not see as batched (see `_vmap_exit`). Anything else is a path the
 dispatcher missed, and it fails loudly.
 """
 from __future__ import annotations
 
 import torch
+from torch._C import _functorch
 
 from ..dtensor.dtensor import DTensor, make_dtensor
 from ..layout.layout import replicate_layout
@@ -66,7 +68,34 @@ def _scalar(func, args, kwargs):
     return func(local)
 
 
+def _vmap_exit(func, args, kwargs):
+    """`aten.expand` on a DTensor: what `torch.vmap`'s exit (`_remove_batch_dim`) does to an output it takes for
+    unbatched, broadcasting it over the batch (`sizes` is the shape with the batch size inserted).
+
+    A DTensor computed inside the vmapped function only from DTensors (captured, unbatched) really is unbatched:
+    its expand goes through the dispatcher as `Tensor.expand`, where its rule runs it. A DTensor whose *local* is
+    a functorch tensor was computed from the transform's batched tensors by an op that ran on its local; functorch
+    sees only the wrapper, and which vmap level and output dim the local's batch belongs to is not visible here
+    (functorch's state is hidden below `__torch_function__`), so the result would be a guess: it raises, naming
+    the fix. (An autograd.Function under a transform, as transformers' vmapped masks index captured tensors, is
+    run on global values with plain outputs by the dispatcher, so its batch stays visible to functorch.)
+    """
+    x, sizes = args[0], args[1]
+    if _functorch.is_functorch_wrapped_tensor(x._local):
+        raise RuntimeError(
+            f"hyper_parallel: a DTensor ({x._layout}, global shape {tuple(x._shape)}) computed inside torch.vmap (or "
+            f"another torch.func transform) from the transform's batched tensors left the transform: functorch "
+            f"sees only the DTensor wrapper, not the batch of its local, so it cannot be unbatched correctly. "
+            f"Capture `t.full_tensor()` (a plain tensor holding the global value) instead of the DTensor `t` in the "
+            f"transformed function.")
+    if kwargs.get("implicit"):
+        raise RuntimeError(f"hyper_parallel: aten.expand(implicit=True) reached a DTensor ({x._layout}) below "
+                           f"__torch_function__; please report the code that called it")
+    return torch.Tensor.expand(x, [int(n) for n in sizes])  # __torch_function__ is on here: the dispatcher's rule
+
+
 _HANDLERS = {
+    aten.expand.default: _vmap_exit,
     aten._local_scalar_dense.default: _scalar,
     aten.detach.default: _alias,
     aten.alias.default: _alias,

@@ -154,6 +154,31 @@ class DTensor(torch.Tensor):
         return (f"DTensor(shape={tuple(self._shape)}, dtype={self._local.dtype}, layout={self._layout}, "
                 f"local={self._local!r})")
 
+    def __format__(self, format_spec: str) -> str:
+        """`f"{t}"` and `format(t, spec)` as for a plain tensor: a 0-d DTensor formats as its value, so
+        `f"expert_{idx}"` names the same module as on one device; any other DTensor (and a meta one) formats as
+        `object.__format__` does (its repr without a spec, TypeError with one), exactly as torch.Tensor.__format__.
+        `str(t)` and `repr(t)` stay the DTensor's repr, which shows the layout (a plain tensor's str is its repr too).
+
+        Reading the value must never make ranks wait on each other: formatting is what rank-0-only logging does
+        (`if rank == 0: print(f"{loss}")`). A replicated 0-d DTensor's value is this rank's local: no communication.
+        A 0-d DTensor with a pending reduction (Partial) has no value on any rank until every rank reduces it, so it
+        is never reduced here (that would hang one-rank logging) and its local part is never printed as if it were
+        the value. Without a spec it formats as its repr, which names the pending reduction: model code formats
+        values eagerly into messages of checks that pass (transformers' `torch_check(cond, f"... {n_tokens}")`), and
+        that must keep working on every rank. With a spec (`f"{loss:.4f}"`) it raises ValueError on the rank that
+        formats (nothing waits): reduce on every rank first (`t.full_tensor()`) and format that.
+        """
+        if not self._shape and not self._local.is_meta:
+            if not self._layout.has_partial:
+                return self._local.detach().item().__format__(format_spec)
+            if format_spec:
+                raise ValueError(f"format(t, {format_spec!r}) of a 0-d DTensor with a pending reduction "
+                                 f"({self._layout}): its value exists only after a reduction across ranks, which "
+                                 f"formatting (often done on one rank) must not start. Call t.full_tensor() on every "
+                                 f"rank and format that.")
+        return object.__format__(self, format_spec)
+
     def __deepcopy__(self, memo):
         with torch._C.DisableTorchFunctionSubclass():
             out = make_dtensor(copy.deepcopy(self._local, memo), self._layout, self._shape, self.requires_grad)
