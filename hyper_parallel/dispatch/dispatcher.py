@@ -329,15 +329,16 @@ def _note_view(result, args, loc0, out, func, largs, lkwargs):
     `loc0` is args[0]'s own local when the op ran on it, None when it ran on a moved copy (or through a rule's
     `local_fn`), which is then `largs[0]`. A view of args[0]'s local notes (args[0], func, args) so a write can give
     the base its history (torch's CopySlices); a view of a moved copy notes False, so a write into it raises (it would
-    not reach the original), as does a view of another input. A view of none of the inputs is a view of a tensor the
-    op made itself (`F.linear` with a bias on a 3-d input returns its 2-d `addmm` result reshaped): a write into it
+    not reach the original), as does a view of another input, and any view made through a rule's `local_fn` that is
+    not of the local it was given (the function may have copied it: `as_strided` of a non-contiguous local). A view
+    of none of the inputs of an op that ran on args[0]'s own local is a view of a tensor the op made itself (`F.linear` with a bias on a 3-d input returns its 2-d `addmm` result reshaped): a write into it
     reaches no input, exactly as on one device, so it needs no note."""
     base = out._base
     if base is not None and type(args[0]) is DTensor and type(result) is DTensor and result is not args[0]:
         ran_on = largs[0] if loc0 is None else loc0
         if base is ran_on or (ran_on._base is not None and base is ran_on._base):  # inline: grad-mode views
             result._view_of = False if loc0 is None else (args[0], func, largs[1:], lkwargs)
-        elif any(_is_view_of(base, t) for t in list(largs[1:]) + list(lkwargs.values())):
+        elif loc0 is None or any(_is_view_of(base, t) for t in list(largs[1:]) + list(lkwargs.values())):
             result._view_of = False
     return result
 
