@@ -85,6 +85,45 @@ def _broadcast_cases(rank, world, cases):
     return results
 
 
+
+def _where_cases(rank, world, cases):
+    """torch.where(cond) (nonzero as a tuple: data-dependent, gathered) and torch.where(cond, x, y) on a condition
+    split on any dim, against plain torch."""
+    mesh = hp.Layout((world,), ("dp",))
+    results = []
+    for shape, split, seed in cases:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(shape, generator=g)
+        d = hp.distribute_tensor(x, mesh(*("dp" if k == split else "None" for k in range(len(shape)))),
+                                 src_data_rank=None)
+        got, ref = torch.where(d > 0), torch.where(x > 0)
+        same = len(got) == len(ref) and all(torch.equal(a.full_tensor(), b) for a, b in zip(got, ref))
+        same = same and torch.equal(d.where(d > 0, -d).full_tensor(), x.where(x > 0, -x))
+        same = same and torch.equal(torch.where(d > 0, 1.0, 0.0).full_tensor(), torch.where(x > 0, 1.0, 0.0))
+        results.append("ok" if same else f"where differs: {shape} split {split}")
+    return results
+
+
+def _fresh_random_views(rank, world):
+    """`torch.rand_like(split).uniform_()` (PhiMoE's router): the result is this rank's piece of a fresh tensor,
+    so writing into it is a write into a new tensor, as on one device: allowed, and the values land."""
+    mesh = hp.Layout((world,), ("dp",))
+    d = hp.distribute_tensor(torch.randn(4, 6), mesh("dp", "None"), src_data_rank=None)
+    r = torch.rand_like(d)
+    before = r.full_tensor().clone()
+    r.uniform_()
+    after = r.full_tensor()
+    return (tuple(r.shape), str(r.dist_layout), bool(((after >= 0) & (after < 1)).all()), not torch.equal(before, after))
+
+
+def test_where_and_fresh_random_views_on_split_inputs(dist2):
+    cases = [((4, 6), 0, 1), ((4, 6), 1, 2), ((2, 3, 4), 2, 3), ((6,), 0, 4), ((5, 2), 0, 5)]
+    per_rank = dist2.run(_where_cases, cases)
+    assert per_rank[0] == per_rank[1] == ["ok"] * len(cases), per_rank
+    shape, layout, in_range, changed = dist2.run(_fresh_random_views)[0]
+    assert shape == (4, 6) and "dp" in layout and in_range and changed
+
+
 if given is not None:
     _entry = st.one_of(st.tuples(st.just("int"), st.integers(0, 11)),
                        st.tuples(st.just("slice"), st.sampled_from([None, 0, 1, -2]), st.sampled_from([None, 3, -1]),

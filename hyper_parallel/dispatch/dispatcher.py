@@ -323,22 +323,23 @@ def _returns_first_list(out: list, a0, loc0) -> bool:
     return True
 
 
-def _note_view(result, args, loc0, out, func, largs, lkwargs):
+def _note_view(result, args, loc0, out, func, largs, lkwargs, copied: bool = False):
     """Remember what `result` (a torch view, `out._base` set) was taken of, for in-place writes into it.
 
     `loc0` is args[0]'s own local when the op ran on it, None when it ran on a moved copy (or through a rule's
     `local_fn`), which is then `largs[0]`. A view of args[0]'s local notes (args[0], func, args) so a write can give
     the base its history (torch's CopySlices); a view of a moved copy notes False, so a write into it raises (it would
-    not reach the original), as does a view of another input, and any view made through a rule's `local_fn` that is
-    not of the local it was given (the function may have copied it: `as_strided` of a non-contiguous local). A view
-    of none of the inputs of an op that ran on args[0]'s own local is a view of a tensor the op made itself (`F.linear` with a bias on a 3-d input returns its 2-d `addmm` result reshaped): a write into it
+    not reach the original), as does a view of another input, and a view made by a rule's `local_fn` that declares
+    `copies_input` (`as_strided` of a non-contiguous local views a contiguous copy: `copied`). A view of none of the
+    inputs is a view of a tensor the op made itself (`F.linear` with a bias on a 3-d input returns its 2-d `addmm`
+    result reshaped; `rand_like` on a split input slices this rank's piece of a fresh tensor): a write into it
     reaches no input, exactly as on one device, so it needs no note."""
     base = out._base
     if base is not None and type(args[0]) is DTensor and type(result) is DTensor and result is not args[0]:
         ran_on = largs[0] if loc0 is None else loc0
         if base is ran_on or (ran_on._base is not None and base is ran_on._base):  # inline: grad-mode views
             result._view_of = False if loc0 is None else (args[0], func, largs[1:], lkwargs)
-        elif loc0 is None or any(_is_view_of(base, t) for t in list(largs[1:]) + list(lkwargs.values())):
+        elif copied or any(_is_view_of(base, t) for t in list(largs[1:]) + list(lkwargs.values())):
             result._view_of = False
     return result
 
@@ -663,7 +664,8 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         # A view of the unmoved input made without grad needs no note, as on the replicated path: its local is a
         # torch view made without grad, which torch itself refuses to write into with grad mode on.
         if moved or grad_mode:
-            _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs)
+            _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs,
+                       getattr(dec.local_fn, "copies_input", False))
     return res
 
 

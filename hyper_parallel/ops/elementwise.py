@@ -57,6 +57,22 @@ class Elementwise(SignatureRule):
         return sigs
 
 
+class Where(Elementwise):
+    """`torch.where(cond, x, y)` is pointwise; `torch.where(cond)` alone is `torch.nonzero(cond, as_tuple=True)`:
+    one index tensor per dim whose length depends on the data, so the condition is gathered and the indices are
+    replicated (the indexing module's `Replicated` rule, as for `nonzero`)."""
+
+    def output_shapes(self, inputs):
+        # one tensor input may be where(cond) (data-dependent) or where(cond, scalar, scalar): the meta run tells
+        return None if len(inputs) == 1 else super().output_shapes(inputs)
+
+    def strategy(self, call):
+        if len(call.args) + len(call.kwargs) == 1:
+            from .indexing import Replicated
+            return Replicated(call.name).strategy(call)
+        return super().strategy(call)
+
+
 _METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
                   "long": torch.int64, "int": torch.int32, "short": torch.int16, "char": torch.int8,
                   "byte": torch.uint8, "bool": torch.bool}
@@ -127,4 +143,4 @@ def _has_number(call) -> bool:
     return any(isinstance(v, numbers.Number) and not isinstance(v, bool) for v in values)
 
 
-__all__ = ["Elementwise", "Cast", "cast_commutes", "Replicate"]
+__all__ = ["Elementwise", "Cast", "Where", "cast_commutes", "Replicate"]

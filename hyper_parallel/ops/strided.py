@@ -82,3 +82,7 @@ def _local_as_strided(local, size, stride, storage_offset=None):
     if not local.is_contiguous():
         local = local.contiguous()
     return torch.as_strided(local, size, stride, local.storage_offset() + offset)
+
+
+# A view it returns may be of a contiguous copy of the local: the dispatcher notes it so a write into it raises.
+_local_as_strided.copies_input = True
