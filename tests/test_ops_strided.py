@@ -115,6 +115,45 @@ def test_two_ranks(dist2):
     assert all(e is not None and "split it" in e and "unfold" in e for e in errors), errors
 
 
+def _leading_split_cases(rank, world, cases):
+    """as_strided of a tensor split on its leading dim (a batch split of Longformer's chunking), against plain
+    torch: "ok" when equal (values and input gradients), "loud" when refused, else what differs."""
+    mesh = hp.Layout((world,), ("dp",))
+    out = []
+    for shape, size, stride, offset, seed in cases:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        xr = x.clone().requires_grad_()
+        xd = hp.distribute_tensor(x.clone(), mesh("dp", *["None"] * (len(shape) - 1)),
+                                  src_data_rank=None).requires_grad_()
+        try:
+            ref = xr.as_strided(size, stride, offset)
+        except RuntimeError:
+            out.append("plain")
+            continue
+        try:
+            got = xd.as_strided(size, stride, offset)
+        except RuntimeError as e:
+            out.append("loud" if "split it" in str(e) else f"error: {e}")
+            continue
+        g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1))
+        (ref * g).sum().backward()
+        (got * g).sum().backward()
+        same = torch.equal(got.full_tensor(), ref) and torch.allclose(xd.grad.full_tensor(), xr.grad)
+        out.append("ok" if same else f"differs: {shape} {size} {stride} {offset}")
+    return out
+
+
+def test_leading_split_windows(dist2):
+    """Windows inside each sample run split (no gather); windows across samples stay loud, on every rank."""
+    cases = [((4, 10, 3), (4, 4, 4, 3), (30, 6, 3, 1), 0, 1),   # Longformer-style overlapping chunks
+             ((6, 8), (6, 3, 3), (8, 2, 1), 1, 2),             # with an offset inside the sample
+             ((4, 10, 3), (4, torch.tensor(4), 4, 3), (30, 6, 3, 1), 0, 5),  # a size as a 0-d tensor (Longformer)
+             ((4, 6), (2, 6), (6, 1), 0, 3),                    # fewer samples than the tensor: refused
+             ((4, 6), (4, 6), (5, 1), 0, 4)]                    # samples overlap (stride 5 < 6): refused
+    per_rank = dist2.run(_leading_split_cases, cases)
+    assert per_rank[0] == per_rank[1] == ["ok", "ok", "ok", "loud", "loud"], per_rank
+
+
 # ---- property: random views inside the tensor, on contiguous and transposed locals ------------------------------
 try:
     from hypothesis import given, settings, strategies as st

@@ -16,8 +16,10 @@ both decided from global values (the layout in `strategy`; sizes, strides and of
 every rank holds whole, when the view is taken), so they raise on every rank or none. Locally, the view is
 taken of the local tensor itself when its strides are the reported ones (it is contiguous: no copy), else of a
 contiguous copy, which is the reported layout; a write through such a view could not reach the input, and the
-dispatcher refuses it loudly. A split input raises with what to do: gather it first, or use `unfold` (which has
-a rule that keeps other dims split).
+dispatcher refuses it loudly. An input split on its leading dim only, read in windows that stay inside each
+sample (that dim's size kept, its stride one sample: Longformer's chunking under a batch split), runs on each
+rank's own samples with the output split the same way. Any other split raises with what to do: gather it first,
+or use `unfold` (which has a rule that keeps other dims split).
 """
 from __future__ import annotations
 
@@ -40,6 +42,39 @@ def reached_offsets(size, stride, storage_offset: int) -> tuple[int, int] | None
     return low, high
 
 
+def _whole_samples(shape: tuple, size, stride, offset) -> bool:
+    """Does an as_strided call on a tensor of global `shape` keep its leading dim whole (its size, the stride of one
+    sample) while every other dim's offsets stay inside one sample? Then the windows of sample i are those of
+    rank-local sample i, and a split of the leading dim (a batch split of Longformer's chunking) carries over."""
+    if not size or len(size) != len(stride) or size[0] != shape[0]:
+        return False
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    if stride[0] != inner:
+        return False
+    reached = reached_offsets(size[1:], stride[1:], offset)
+    return reached is None or (reached[0] >= 0 and reached[1] < inner)
+
+
+class _SamplesAsStrided:
+    """The local function for an input split on its leading dim only: checks `_whole_samples` on the call's global
+    values (sizes may be 0-d tensors every rank holds whole, so this is decided when the call runs, identically on
+    every rank, before anything is read), then takes the windows of this rank's samples."""
+
+    copies_input = True  # a view of a contiguous copy of the local: a write into it must raise
+
+    def __init__(self, shape: tuple, refusal: str):
+        self.shape, self.refusal = shape, refusal
+
+    def __call__(self, local, size, stride, storage_offset=None):
+        size, stride = [int(n) for n in size], [int(s) for s in stride]
+        offset = 0 if storage_offset is None else int(storage_offset)
+        if not _whole_samples(self.shape, size, stride, offset):
+            raise RuntimeError(self.refusal)
+        return _local_as_strided(local, [local.shape[0], *size[1:]], stride, offset)
+
+
 class AsStrided(Rule):
     """`x.as_strided(size, stride, storage_offset=None)` / `torch.as_strided(x, ...)` on a DTensor that every
     rank holds whole (see the module docstring): a view of the contiguous local at the same offsets.
@@ -52,14 +87,21 @@ class AsStrided(Rule):
     def strategy(self, call: OpCall) -> Strategy:
         x = call.inputs[0]
         lay = x.layout
+        extra = [s.layout.replicated() for s in call.inputs[1:]]  # 0-d sizes: read whole on every rank
+        n_out = len(call.arg(1, "size"))
         if lay.sharded_axes:
-            self.fail(call, f"as_strided addresses the storage of the whole single-device tensor, and mesh axes "
-                            f"{[lay.mesh.mesh_dim_names[a] for a in lay.sharded_axes]} split it; gather it first "
-                            f"(x.redistribute(<replicated layout>) or x.full_tensor()), or express the windows with "
-                            f"x.unfold(dim, size, step), which keeps other dims split")
-        # sizes given as 0-d tensors (`torch.div(n, w, rounding_mode="trunc") - 1`) are read whole on every rank
-        extra = [s.layout.replicated() for s in call.inputs[1:]]
-        out = lay.with_map([()] * len(call.arg(1, "size")), lay.partial)
+            refusal = (f"{call.name} cannot run on inputs laid out as [{call.layouts()}]: as_strided addresses the "
+                       f"storage of the whole single-device tensor, and mesh axes "
+                       f"{[lay.mesh.mesh_dim_names[a] for a in lay.sharded_axes]} split it; gather it first "
+                       f"(x.redistribute(<replicated layout>) or x.full_tensor()), or express the windows with "
+                       f"x.unfold(dim, size, step), which keeps other dims split")
+            if not x.ndim or not n_out or any(lay.tensor_map[d] for d in range(1, x.ndim)):
+                raise RuntimeError(refusal)
+            # split on the leading dim only: windows inside each sample run on this rank's samples (checked when
+            # the call runs, on its global values: `_SamplesAsStrided`), the output split like that dim
+            out = lay.with_map([lay.tensor_map[0]] + [()] * (n_out - 1), lay.partial)
+            return Strategy([lay] + extra, [out], local_fn=_SamplesAsStrided(tuple(x.shape), refusal))
+        out = lay.with_map([()] * n_out, lay.partial)
         return Strategy([lay] + extra, [out], local_fn=_local_as_strided)
 
 
