@@ -334,13 +334,18 @@ struct Need {
     PyObject *key;    /* or a keyword argument (borrowed), i = -1 */
 };
 
+/* Is obj.<name> the object `value` (Py_True, Py_False, ...)? 1, 0, or -1 on error. */
+static int attr_is(PyObject *obj, PyObject *name, PyObject *value) {
+    PyObject *got = PyObject_GetAttr(obj, name);
+    if (got == NULL) return -1;
+    int yes = (got == value);
+    Py_DECREF(got);
+    return yes;
+}
+
 /* The DTensor `dt` requires grad at its wrapper: 1, 0, or -1 on error. */
 static int wrapper_requires_grad(PyObject *dt) {
-    PyObject *rg = PyObject_GetAttr(dt, s_requires_grad);
-    if (rg == NULL) return -1;
-    int yes = (rg == Py_True);
-    Py_DECREF(rg);
-    return yes;
+    return attr_is(dt, s_requires_grad, Py_True);
 }
 
 /* autograd.local_input(dt, layout, layout) for an input of the replicated path, given its local `loc`
@@ -488,6 +493,8 @@ done:
    arguments, a list, a slice, recording, a replicated call, a cache miss or a decision that redistributes an
    input return NOT_HANDLED before anything has run. Runs inside _disabled_torch_function_impl, as _dispatch runs inside
    DisableTorchFunctionSubclass. */
+static PyObject *new_dtensor(PyObject *local, PyObject *layout, PyObject *shape);  /* defined with the nodes */
+
 /* dispatcher._note_view(res, args, loc0, out, func, largs, {}) for a flat call, without a Python frame: `res` (the
    wrapped result) views args[0]; `base` is out._base (not None); loc0 the local it was taken of, or NULL when the
    view was taken of a moved copy (then a write into it would be lost: _view_of = False). 0, or -1 on error. */
@@ -669,18 +676,7 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
         if (rg) {
             res = PyObject_CallFunctionObjArgs(wrap_local_fn, out, layout, shape, NULL);
         } else {
-            PyObject *dtype = PyObject_GetAttr(out, s_dtype), *device = PyObject_GetAttr(out, s_device);
-            if (dtype != NULL && device != NULL) {
-                PyObject *argv[8] = {(PyObject *)dtensor_type, shape, Py_None, Py_None, Py_None, dtype, strided, device};
-                res = PyObject_Vectorcall(make_wrapper, argv, 8, NULL);
-                if (res != NULL && (set_slot(res, &dt_local, out) < 0 || set_slot(res, &dt_layout, layout) < 0 ||
-                                    set_slot(res, &dt_shape, shape) < 0))
-                    Py_CLEAR(res);
-            } else {
-                res = NULL;
-            }
-            Py_XDECREF(dtype);
-            Py_XDECREF(device);
+            res = new_dtensor(out, layout, shape);  /* the Decision's shapes are torch.Size already */
         }
     } else {
         res = PyObject_CallFunctionObjArgs(wrap_outs_fn, out, out_layouts, out_shapes, gflag, NULL);
@@ -922,11 +918,7 @@ static int under_functorch(void) {
 /* The layout a gradient must have to be handed to a tensor of `layout` (autograd.grad_target) when that is
    `layout` itself: 1; 0 when it has a pending reduction (the Python functions move it); -1 on error. */
 static int is_own_grad_target(PyObject *layout) {
-    PyObject *hp = PyObject_GetAttr(layout, s_has_partial);
-    if (hp == NULL) return -1;
-    int own = (hp == Py_False);
-    Py_DECREF(hp);
-    return own;
+    return attr_is(layout, s_has_partial, Py_False);
 }
 
 /* Wrap.forward(ctx, local, layout, shape) */
