@@ -360,6 +360,28 @@ class Scatter(SignatureRule):
     accumulate = False
     index_split = True
 
+    def strategy(self, call: OpCall) -> Strategy:
+        rows = self._rows_strategy(call)
+        return rows if rows is not None else super().strategy(call)
+
+    def _rows_strategy(self, call: OpCall) -> Strategy | None:
+        """index_add / index_copy (a 1-D index) into x split on the indexed dim only, nothing pending: each rank
+        writes the source rows whose index falls in its own rows (`_RowsOfThisRank`), x keeps its layout (what
+        an in-place `index_add_` into a batch-split tensor needs: Switch Transformers' experts). The index and
+        the source are read whole; the source's gradient is this rank's rows, a pending sum (the duality)."""
+        if self.index_split or len(call.inputs) != 3:
+            return None
+        x, idx, src = call.inputs
+        if not x.ndim or idx.ndim != 1:
+            return None
+        dim = norm_dim(call.arg(1, "dim"), x.ndim)
+        lay = x.layout
+        if (not lay.tensor_map[dim] or lay.has_partial or idx.layout.has_partial or src.layout.has_partial
+                or any(lay.tensor_map[d] for d in range(x.ndim) if d != dim)):
+            return None
+        return Strategy([lay, idx.layout.replicated(), src.layout.replicated()], [lay],
+                        local_fn=_RowsOfThisRank(call.func, lay, tuple(x.shape), dim))
+
     def signatures(self, call: OpCall) -> list:
         x = call.inputs[0]
         dim = norm_dim(call.arg(1, "dim"), x.ndim)
@@ -380,6 +402,24 @@ class Scatter(SignatureRule):
                 sigs.append(Signature([Partial(op)], [Partial(op), REPLICATE, Partial(op)]))
         return sigs
 
+
+
+class _RowsOfThisRank:
+    """`func(x_local, dim, index, source, ...)` restricted to the rows of `dim` this rank holds: the index entries in
+    [offset, offset + rows) shifted to local rows, with their source slices (torch refuses out-of-range indices on
+    one device; here every rank sees the whole index, so each entry lands on exactly one rank)."""
+
+    def __init__(self, func, layout, shape: tuple, dim: int):
+        self.func, self.dim = func, dim
+        self.offset = layout.local_offset(shape)[dim]
+        self.rows = layout.local_shape(shape)[dim]
+
+    def __call__(self, x, dim, index, source, *rest, **kwargs):
+        mine = (index >= self.offset) & (index < self.offset + self.rows)
+        picked = mine.nonzero().squeeze(1)
+        src_dim = self.dim if source.ndim else 0
+        local_source = source.index_select(src_dim, picked) if source.ndim else source
+        return self.func(x, dim, index[picked] - self.offset, local_source, *rest, **kwargs)
 
 # ---- data-dependent results and Python values ------------------------------------------------
 def _dummy_out_ndims(call: OpCall) -> list:
