@@ -97,6 +97,19 @@ def _close(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
     return torch.equal(a, b)
 
 
+
+def global_mismatch(out, ref: torch.Tensor, close) -> str | None:
+    """What is wrong with a DTensor output against the plain reference (not a DTensor, global shape, value under
+    `close(full, ref)`), or None: the check every op test and property chain ends with."""
+    if not isinstance(out, DTensor):
+        return f"is {type(out).__name__}, not a DTensor"
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"global shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    full = out.full_tensor()
+    if not close(full, ref.detach()):
+        return f"differs ({out.dist_layout}): {full.flatten()[:4].tolist()} vs {ref.flatten()[:4].tolist()}"
+    return None
+
 def _same_value(ref, out, atol: float) -> bool:
     """Python results (item, tolist, bool): same type, equal up to float reduction order."""
     if type(ref) is not type(out):
@@ -123,13 +136,9 @@ def check(fn, xs: list, specs: list, mesh: hp.Layout, grad: bool = True, atol: f
         if not ref_t and not _same_value(ref, out, atol):
             return f"{what}: got {out!r}, expected {ref!r}"
         for i, (r, o) in enumerate(zip(ref_t, out_t)):
-            if not isinstance(o, DTensor):
-                return f"{what}: output {i} is {type(o).__name__}, not a DTensor"
-            if tuple(o.shape) != tuple(r.shape):
-                return f"{what}: output {i} global shape {tuple(o.shape)}, expected {tuple(r.shape)}"
-            full = o.full_tensor()
-            if not _close(full, r.detach(), atol):
-                return f"{what}: output {i} differs ({o.dist_layout}):\n{full}\nexpected\n{r}"
+            bad = global_mismatch(o, r, lambda a, b: _close(a, b, atol))
+            if bad:
+                return f"{what}: output {i} {bad}"
         diff = [(r, o) for r, o in zip(ref_t, out_t) if r.requires_grad]
         if grad and diff:
             g = torch.Generator().manual_seed(7)

@@ -16,6 +16,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel import DTensor
+from tests.op_check import global_mismatch
 
 MESHES = {"2": ((2,), ("a",)), "4": ((4,), ("a",)), "2x2": ((2, 2), ("a", "b"))}
 CASTS = ("half_float", "bf16_float", "double_float", "long_float", "int_float", "bool_float")
@@ -245,16 +246,11 @@ def run_case(case) -> str:
         dist_run.leaves.append(("x", leaf))
         for k, (op, p) in enumerate(steps):
             t = dist_run.step(t, op, p, k)
-        if not isinstance(t, DTensor):
-            if plain:  # the chain wrote DTensors into the plain input, or never met one: a plain value
-                t = DTensor.from_local(t, mesh(*["None"] * t.ndim))
-            else:
-                return f"wrong: result is {type(t).__name__}, not a DTensor"
-        if tuple(t.shape) != tuple(ref.shape):
-            return f"wrong: shape {tuple(t.shape)} vs {tuple(ref.shape)}"
-        full = t.full_tensor()
-        if not _close(full, ref.detach(), lowp):
-            return f"wrong: value ({t.dist_layout}) {full.flatten()[:4].tolist()} vs {ref.flatten()[:4].tolist()}"
+        if not isinstance(t, DTensor) and plain:  # the chain wrote DTensors into the plain input, or never met one
+            t = DTensor.from_local(t, mesh(*["None"] * t.ndim))
+        bad = global_mismatch(t, ref, lambda a, b: _close(a, b, lowp))
+        if bad:
+            return f"wrong: result {bad}"
         if backward and ref.requires_grad:
             w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
             (ref * w).sum().backward()

@@ -361,7 +361,8 @@ def _refuse_lost_write(target, name="an in-place op") -> None:
 
 
 def _finish_inplace(target, local_out, grad, name="an in-place op"):
-    _refuse_lost_write(target, name)
+    """Give `target` the written local and its history; `_dispatch` has already refused a lost write (every caller
+    runs under it, before anything was written)."""
     view = getattr(target, "_view_of", None)
     if grad and (target.requires_grad or local_out.requires_grad):
         out = InplaceWrap.apply(target, local_out)
