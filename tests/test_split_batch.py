@@ -157,6 +157,19 @@ def test_index_add_into_the_split_dim(dist2):
              ((6, 2), 0, [], "index_add_", 5)]
     per_rank = dist2.run(_index_add_rows_cases, cases)
     assert per_rank[0] == per_rank[1] == ["ok"] * len(cases), per_rank
+    errors = dist2.run(_index_out_of_range)
+    assert all(e is not None and "out of range" in e for e in errors), errors
+
+
+def _index_out_of_range(rank, world):
+    """An index past the tensor raises on every rank, as torch raises on one device (not dropped by every rank)."""
+    mesh = hp.Layout((world,), ("dp",))
+    d = hp.distribute_tensor(torch.zeros(4, 2), mesh("dp", "None"), src_data_rank=None)
+    try:
+        d.index_add_(0, torch.tensor([1, 4]), torch.ones(2, 2))
+    except IndexError as e:
+        return str(e)
+    return None
 
 
 if given is not None:

@@ -410,11 +410,16 @@ class _RowsOfThisRank:
     one device; here every rank sees the whole index, so each entry lands on exactly one rank)."""
 
     def __init__(self, func, layout, shape: tuple, dim: int):
-        self.func, self.dim = func, dim
+        self.func, self.dim, self.total = func, dim, shape[dim]
         self.offset = layout.local_offset(shape)[dim]
         self.rows = layout.local_shape(shape)[dim]
 
     def __call__(self, x, dim, index, source, *rest, **kwargs):
+        # an index torch would refuse on one device must not vanish between the ranks' ranges: every rank holds
+        # the whole index, so every rank raises here or none does
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.total):
+            raise IndexError(f"{getattr(self.func, '__name__', self.func)}: index out of range for dim {self.dim} of "
+                             f"size {self.total} (values {int(index.min())}..{int(index.max())})")
         mine = (index >= self.offset) & (index < self.offset + self.rows)
         picked = mine.nonzero().squeeze(1)
         src_dim = self.dim if source.ndim else 0
