@@ -29,6 +29,7 @@ inputs that require grad, changes of Python state during the forward, non-consta
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -39,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .dispatch.lowering import is_lowering, lowering
-from .dtensor.autograd import local_input, wrap_local
+from .dtensor.autograd import wrap_local
 from .dtensor.dtensor import DTensor, make_dtensor
 from .redistribute import check as _check
 
@@ -53,6 +54,9 @@ class LoweringError(RuntimeError):
 # Python values a graph may bake in: they are part of the key, so another value traces again.
 _CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 _UNKEYABLE = object()
+# Call signatures a unit lowers at most (as dynamo's recompile limit): more means shapes that vary from call to
+# call (tokens routed to an expert), where compiling every shape would cost more than it saves.
+MAX_SIGNATURES = 8
 _EAGER = object()  # an entry for a key the unit runs eagerly
 
 
@@ -149,6 +153,27 @@ def _install(module: nn.Module, name: str, settings: _Settings) -> None:
     module.forward = forward
 
 
+def _where(e: BaseException) -> str:
+    """' at file:line' of the innermost frame outside torch where `e` was raised (the model's or ours)."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename
+              and not f.filename.endswith(f"hyper_parallel{os.sep}compiler.py")]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _parts(module: nn.Module, name: str) -> list:
+    """The children to compile instead of `module`: those holding parameters (a module without any, an
+    activation say, is a few ops that a graph call would not make cheaper), containers looked through."""
+    out = []
+    for cname, child in module.named_children():
+        full = f"{name}.{cname}"
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # never called: their members are
+            out += _parts(child, full)
+        elif any(True for _ in child.parameters()):
+            out.append((full, child))
+    return out
+
+
 # ---- flattening arguments and results ---------------------------------------------------------------------
 def _flatten(obj, leaves: list):
     """A hashable structure of `obj` (tuples, lists, dicts, pytree containers), its leaves appended to `leaves`."""
@@ -187,13 +212,43 @@ def _leaf_key(x):
     return _UNKEYABLE
 
 
-def _local_of(t, grad: bool):
-    """What the graph takes for tensor `t`: its local, connected to it by the eager bridge when autograd needs it."""
-    if type(t) is DTensor:
-        if grad and t.requires_grad:
-            return local_input(t, t._layout, t._layout.without_partial())
-        return t._local
-    return t
+class _Enter(torch.autograd.Function):
+    """The locals of the DTensors entering a compiled graph whose gradients must come back to the DTensors (leaf
+    parameters, pending sums): `Unwrap`'s forward and backward for all of them in one node instead of one each.
+    The graph hands each gradient back laid out as `grad_target(layout)`, so nothing moves here."""
+
+    @staticmethod
+    def forward(ctx, *dts):
+        ctx.set_materialize_grads(False)  # an unused parameter keeps grad None, as eagerly
+        ctx.specs = [(t._layout.without_partial(), t._shape) for t in dts]
+        return tuple([t._local.detach() for t in dts])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple([None if g is None else make_dtensor(g, layout, shape)
+                      for g, (layout, shape) in zip(grads, ctx.specs)])
+
+
+_enter = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Enter)  # without Function.apply's preamble
+
+
+def _graph_inputs(inputs: list, grad: bool) -> list:
+    """What the graph takes for each input tensor: a DTensor's local, connected to it for autograd where the
+    gradient must reach the DTensor itself (through one `_Enter` node), a plain tensor as it is."""
+    locs = []
+    entering = None
+    for i, t in enumerate(inputs):
+        if type(t) is DTensor:
+            local = t._local
+            if grad and t.requires_grad and not (local.requires_grad and not t._layout.has_partial):
+                entering = [i] if entering is None else entering + [i]
+            locs.append(local)
+        else:
+            locs.append(t)
+    if entering is not None:
+        for i, local in zip(entering, _enter(*[inputs[i] for i in entering])):
+            locs[i] = local
+    return locs
 
 
 def _constants_fingerprint(gm: torch.fx.GraphModule) -> tuple:
@@ -244,6 +299,23 @@ def _foreign_function(outputs) -> str | None:
             return f"{cls.__module__}.{cls.__qualname__}"
         stack.extend(n for n, _ in node.next_functions)
     return None
+
+
+# Module hooks that communicate and swap parameters (hsdp's gather/reduce): they must run eagerly around a
+# compiled forward, so they may sit on a unit itself (outside its graph) but not on a module inside one.
+_HOOKS_OUTSIDE_GRAPH = ("hyper_parallel.parallel.hsdp",)
+
+
+def _refuse_hooks_outside_graph(unit: nn.Module) -> None:
+    for name, m in unit.named_modules():
+        if not name:
+            continue
+        for hook in list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values()):
+            where = getattr(getattr(hook, "__func__", hook), "__module__", "") or ""
+            if where.startswith(_HOOKS_OUTSIDE_GRAPH):
+                raise LoweringError(f"{name} has hooks of {where} (gathers, reductions), which must run eagerly "
+                                    f"around a compiled forward: compile units that carry them (hsdp's units are "
+                                    f"the decoder layers: units='layers')")
 
 
 def _python_state(modules: list) -> list:
@@ -313,7 +385,7 @@ class _Unit:
         return state
 
     def __call__(self, args: tuple, kwargs: dict):
-        if (is_lowering() or _check.CHECK[0] or torch.compiler.is_compiling()
+        if (is_lowering() or torch.compiler.is_compiling() or _check.CHECK[0]
                 or torch._C._are_functorch_transforms_active()):
             return self.original(*args, **kwargs)  # inside an enclosing unit's trace, check mode, transforms
         leaves: list = []
@@ -329,11 +401,15 @@ class _Unit:
                torch.is_autocast_enabled(), tuple([m.training for m in self.modules]))
         entry = self.entries.get(key)
         if entry is None:
+            if len(self.entries) >= MAX_SIGNATURES:
+                self._note(f"it was called with more than {MAX_SIGNATURES} different signatures (argument "
+                           f"shapes, layouts or constants): new ones run eagerly", children=False)
+                return self.original(*args, **kwargs)
             entry = self.entries[key] = self._lower(args, kwargs, leaves, structure, state, grad)
         if entry is _EAGER:
             return self.original(*args, **kwargs)
         inputs = state + [leaves[i] for i in entry.tensor_leaves]
-        outs = entry.fn(*[_local_of(t, grad) for t in inputs])
+        outs = entry.fn(*_graph_inputs(inputs, grad))
         it = iter(outs)
         result = []
         for spec in entry.out_specs:
@@ -350,16 +426,18 @@ class _Unit:
                 result.append(spec[1])
         return _unflatten(entry.out_structure, iter(result))
 
-    def _note(self, reason: str, once=None) -> None:
+    def _note(self, reason: str, once=None, children: bool = True) -> None:
         if reason in self.reasons:
             return
         self.reasons.append(reason)
         also = ""
-        if self.settings.fallback and not self.children_compiled and any(True for _ in self.module.children()):
+        if children and self.settings.fallback and not self.children_compiled:
             self.children_compiled = True
-            for cname, child in self.module.named_children():
-                _install(child, f"{self.name}.{cname}", self.settings)
-            also = "; its submodules are compiled separately"
+            parts = _parts(self.module, self.name)
+            for name, part in parts:
+                _install(part, name, self.settings)
+            if parts:
+                also = "; its submodules are compiled separately"
         warnings.warn(f"hyper_parallel.compile: {self.name} ({type(self.module).__name__}) runs eagerly: "
                       f"{reason}{also}", stacklevel=4)
 
@@ -368,12 +446,14 @@ class _Unit:
         try:
             return self._trace(leaves, structure, state, grad)
         except Exception as e:  # any failure to trace: the unit runs eagerly, which raises real errors itself
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            reason = f"{type(e).__name__}: {text}{_where(e)}"
             self._note(f"it cannot be traced into one graph ({reason})")
             return _EAGER
 
     def _trace(self, leaves, structure, state, grad) -> _Entry:
         from torch.fx.experimental.proxy_tensor import make_fx
+        _refuse_hooks_outside_graph(self.module)
         tensor_leaves = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
         inputs = state + [leaves[i] for i in tensor_leaves]
         n_state = len(state)
@@ -420,10 +500,15 @@ class _Unit:
 
         examples = [example(t) for t in inputs]
         saved = _python_state(self.modules)
+        compiling = torch.compiler._is_compiling_flag
+        # what torch.export's make_fx tracing says too: model code then skips its data-dependent shortcuts (a mask
+        # left out when it is all ones), which a graph cannot take, exactly as under torch.compile
+        torch.compiler._is_compiling_flag = True
         try:
             with lowering(), _RefuseInTrace():
-                gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+                gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*examples)
         finally:
+            torch.compiler._is_compiling_flag = compiling
             changed = _restore_python_state(saved)
         if changed is not None:
             raise LoweringError(f"the forward changes Python state ({changed}), which a compiled graph would not")
