@@ -119,14 +119,10 @@ _c_apply = torch._C._FunctionBase.__dict__["apply"]
 _wrap_c_apply = _c_apply.__get__(None, Wrap)
 _unwrap_c_apply = _c_apply.__get__(None, Unwrap)
 _functorch_active = torch._C._are_functorch_transforms_active
-# While a unit is lowered for torch.compile (dtensor/traceable.py), the bridge without Python nodes: None otherwise.
-_traceable = None
 
 
 def wrap_local(local, layout, shape):
     """`Wrap.apply(local, layout, shape)` (the DTensor of a local result that requires grad), without the preamble."""
-    if _traceable is not None:
-        return _traceable.wrap_local(local, layout, shape)
     if _functorch_active():
         return Wrap.apply(local, layout, shape)
     return _wrap_c_apply(local, layout, shape)
@@ -140,8 +136,6 @@ def local_input(t, target, grad_layout):
     local = t._local
     if local.requires_grad and target is t._layout and grad_layout is target:
         return local
-    if _traceable is not None:
-        return _traceable.local_input(t, target, grad_layout)
     if _functorch_active():
         return Unwrap.apply(t, target, grad_layout, t.grad_fn is None)
     return _unwrap_c_apply(t, target, grad_layout, t.grad_fn is None)

@@ -123,30 +123,31 @@ _SUBSTITUTES = {_bridge.Wrap: Wrap, _bridge.Unwrap: Unwrap, _bridge.InplaceWrap:
                 _bridge.InplaceViewWrap: InplaceViewWrap}
 
 
+def _always() -> bool:
+    return True
+
+
 @contextlib.contextmanager
 def tracing_bridge():
-    """Inside: `autograd.local_input` / `wrap_local` and every `Wrap/Unwrap/InplaceWrap/InplaceViewWrap.apply`
-    (whoever imported them) are the traceable versions above. Swapped, not tested per call: the eager bridge
-    pays nothing for it. The bridge's Python nodes made anyway (through a path not covered) are found
-    afterwards in the autograd graph of what was traced (`hyper_parallel.compile` refuses such a trace)."""
-    if _bridge._traceable is not None:  # nested: already on
+    """Inside: every `Wrap/Unwrap/InplaceWrap/InplaceViewWrap.apply` (whoever imported the classes) is the
+    traceable version above, and so are `autograd.local_input` / `wrap_local`, which take the route they take
+    under functorch transforms, through `Unwrap.apply` / `Wrap.apply`. Swapped, not tested per call: the eager
+    bridge pays nothing for it. A Python node of the bridge made anyway (through `_unwrap_c_apply` held
+    elsewhere) is found afterwards in the autograd graph of what was traced, and `hyper_parallel.compile`
+    refuses such a trace."""
+    if _bridge._functorch_active is _always:  # nested: already on
         yield
         return
-    saved = {cls: cls.__dict__["apply"] if "apply" in cls.__dict__ else None for cls in _SUBSTITUTES}
-    _bridge._traceable = _this_module()
+    saved = {cls: cls.__dict__.get("apply") for cls in _SUBSTITUTES}
+    _bridge._functorch_active = _always
     for cls, sub in _SUBSTITUTES.items():
         cls.apply = staticmethod(sub.apply)
     try:
         yield
     finally:
-        _bridge._traceable = None
+        _bridge._functorch_active = torch._C._are_functorch_transforms_active
         for cls, old in saved.items():
             if old is None:
                 del cls.apply  # back to autograd.Function.apply
             else:
                 cls.apply = old
-
-
-def _this_module():
-    import sys
-    return sys.modules[__name__]
