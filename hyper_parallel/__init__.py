@@ -12,7 +12,7 @@ from .checkpoint.pretrained import from_pretrained, save_pretrained
 from .parallel.expert import expert_parallel
 from .parallel.context import context_parallel
 from .parallel.pipeline import Pipeline, pipeline
-from .compiler import compile, unit_report  # noqa: A004  (hp.compile, as torch.compile)
+from .compiler import compile  # noqa: A004  (hp.compile, as torch.compile)
 
 _load_builtin_rules()
 
@@ -27,5 +27,5 @@ __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "cus
 __all__ += ["expert_parallel"]
 __all__ += ["context_parallel"]
 __all__ += ["pipeline", "Pipeline"]
-__all__ += ["compile", "unit_report"]
+__all__ += ["compile"]
 __version__ = "0.1.0"

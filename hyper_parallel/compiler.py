@@ -44,7 +44,7 @@ from .dtensor.autograd import wrap_local
 from .dtensor.dtensor import DTensor, make_dtensor
 from .redistribute import check as _check
 
-__all__ = ["compile", "unit_report", "LoweringError"]
+__all__ = ["compile", "explain", "unit_report", "LoweringError"]
 
 
 class LoweringError(RuntimeError):
@@ -94,6 +94,28 @@ def compile(model: nn.Module, *, units: str | Callable | Iterable[nn.Module] = "
     for name, module in _select_units(model, units):
         _install(module, name, settings)
     return model
+
+
+def explain(module: nn.Module, *args, **kwargs):
+    """`torch._dynamo.explain` of the graph `hp.compile` makes of `module(*args, **kwargs)`'s forward (graphs,
+    graph breaks, ops): how a unit compiles. Raises LoweringError, with the reason, when the forward cannot be
+    traced into one graph (`hp.compile` would then run it eagerly and compile its children)."""
+    unit = _Unit(module, "", _Settings("eager", None, None, False))
+    leaves: list = []
+    structure = _flatten((args, kwargs), leaves)
+    bad = [type(x).__name__ for x in leaves if _leaf_key(x) is _UNKEYABLE]
+    if bad:
+        raise LoweringError(f"an argument of type {bad[0]} (not a tensor or a constant) is passed")
+    state = unit._state()
+    grad = torch.is_grad_enabled()
+    try:
+        gm, tensor_leaves, _, _ = unit.trace(leaves, structure, state, grad)
+    except LoweringError:
+        raise
+    except Exception as e:
+        raise LoweringError(f"{type(e).__name__}: {e}{_where(e)}") from e
+    inputs = state + [leaves[i] for i in tensor_leaves]
+    return torch._dynamo.explain(gm)(*_graph_inputs(inputs, grad))
 
 
 def unit_report(model: nn.Module) -> list[dict]:
@@ -362,7 +384,8 @@ class _Unit:
         self.module = module
         self.name = name or type(module).__name__
         self.settings = settings
-        self.original = module.forward
+        installed = getattr(module.forward, "_hp_unit", None)  # explain() of a compiled unit: its own forward
+        self.original = installed.original if installed is not None else module.forward
         self.modules = list(module.modules())
         self.entries: dict = {}
         self.reasons: list = []
@@ -444,14 +467,17 @@ class _Unit:
     # ---- lowering ----------------------------------------------------------------------------------
     def _lower(self, args, kwargs, leaves, structure, state, grad):
         try:
-            return self._trace(leaves, structure, state, grad)
+            gm, tensor_leaves, out_structure, out_specs = self.trace(leaves, structure, state, grad)
+            return _Entry(self.settings.compiled_fn(gm), gm, tensor_leaves, out_structure, out_specs)
         except Exception as e:  # any failure to trace: the unit runs eagerly, which raises real errors itself
             text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             reason = f"{type(e).__name__}: {text}{_where(e)}"
             self._note(f"it cannot be traced into one graph ({reason})")
             return _EAGER
 
-    def _trace(self, leaves, structure, state, grad) -> _Entry:
+    def trace(self, leaves: list, structure, state: list, grad: bool) -> tuple:
+        """The unit's forward on these arguments as a graph of local ops: (graph, positions of the tensor leaves it
+        takes after the state, result structure, result specs). Raises LoweringError (or the tracer's error)."""
         from torch.fx.experimental.proxy_tensor import make_fx
         _refuse_hooks_outside_graph(self.module)
         tensor_leaves = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
@@ -526,4 +552,4 @@ class _Unit:
                 raise LoweringError(f"the forward returns a {type(spec[1]).__name__}, which a graph cannot rebuild")
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        return _Entry(self.settings.compiled_fn(gm), gm, tensor_leaves, found["structure"], found["specs"])
+        return gm, tensor_leaves, found["structure"], found["specs"]
