@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+OPTIMIZER_KWARGS: dict = {}  # --optimizer foreach / fused: for every subject alike
 SUBJECTS = ("plain", "plain_compiled", "plain_layers", "ours", "ours_compiled", "ours_model")
 
 
@@ -100,7 +101,7 @@ class Subject:
     def step(self):
         self.model.train()
         if self.opt is None:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, eps=1e-6)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, eps=1e-6, **OPTIMIZER_KWARGS)
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(**self.inputs, **self.labels).loss
         loss.backward()
@@ -118,7 +119,12 @@ def main() -> None:
     ap.add_argument("--model", default="llama_ref")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--subjects", default=",".join(SUBJECTS))
+    ap.add_argument("--optimizer", choices=("default", "foreach", "fused"), default="default",
+                    help="the training step's AdamW: torch's default for the device (on CPU the per-tensor loop), "
+                         "foreach=True or fused=True")
     args = ap.parse_args()
+    if args.optimizer != "default":
+        OPTIMIZER_KWARGS[args.optimizer] = True
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29614")

@@ -66,14 +66,30 @@ class _Settings:
     mode: str | None
     options: dict | None
     fallback: bool
-    compiled: dict = field(default_factory=dict)   # graph fingerprint -> compiled function, shared by units
+    compiled: dict = field(default_factory=dict)   # graph and inputs -> compiled function, shared by units
 
-    def compiled_fn(self, gm: torch.fx.GraphModule) -> Callable:
-        key = (gm.code, _constants_fingerprint(gm))
+    def compiled_fn(self, gm: torch.fx.GraphModule, inputs: list) -> Callable:
+        """The graph compiled by the torch.compile backend, called directly: the graph is already whole (dynamo
+        would find nothing to split) and the unit's key guards what the backend specialised on, so dynamo's
+        frame evaluation and guards (tens of microseconds a call) are left out. Units with the same graph and
+        inputs (the layers of a model) share one compiled function."""
+        key = (gm.code, _constants_fingerprint(gm), torch.is_grad_enabled(),
+               tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in inputs]))
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = torch.compile(gm, backend=self.backend, mode=self.mode, options=self.options,
-                                                    dynamic=False, fullgraph=True)
+            backend = self.backend
+            if backend == "inductor":
+                from torch._inductor import list_mode_options
+                from torch._inductor.compile_fx import compile_fx
+                patches = {**(list_mode_options(self.mode, False) if self.mode else {}), **(self.options or {})}
+                fn = compile_fx(gm, inputs, config_patches=patches)
+            else:
+                if self.mode is not None or self.options:
+                    raise ValueError(f"hyper_parallel.compile: mode and options are inductor's; backend {backend!r} "
+                                     f"takes neither")
+                fn = torch._dynamo.lookup_backend(backend)(gm, inputs) if isinstance(backend, str) \
+                    else backend(gm, inputs)
+            self.compiled[key] = fn
         return fn
 
 
@@ -113,7 +129,7 @@ def explain(module: nn.Module, *args, **kwargs):
     except LoweringError:
         raise
     except Exception as e:
-        raise LoweringError(f"{type(e).__name__}: {e}{_where(e)}") from e
+        raise LoweringError(_describe(e)) from e
     inputs = state + [leaves[i] for i in tensor_leaves]
     return torch._dynamo.explain(gm)(*_graph_inputs(inputs, grad))
 
@@ -175,6 +191,11 @@ def _install(module: nn.Module, name: str, settings: _Settings) -> None:
     module.forward = forward
 
 
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}{_where(e)}"
+
+
 def _where(e: BaseException) -> str:
     """' at file:line' of the innermost frame outside torch where `e` was raised (the model's or ours)."""
     import traceback
@@ -226,9 +247,10 @@ def _unflatten(structure, it):
 def _leaf_key(x):
     t = type(x)
     if t is DTensor:
-        return (x._layout, x._shape, x._local.dtype, x.requires_grad)
+        local = x._local
+        return (x._layout, x._shape, local.dtype, local.stride(), x.requires_grad)
     if isinstance(x, Tensor):
-        return (t, x.shape, x.dtype, x.device, x.requires_grad)
+        return (t, x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
     if t in _CONSTANT_TYPES:
         return (t, x)
     return _UNKEYABLE
@@ -468,12 +490,16 @@ class _Unit:
     def _lower(self, args, kwargs, leaves, structure, state, grad):
         try:
             gm, tensor_leaves, out_structure, out_specs = self.trace(leaves, structure, state, grad)
-            return _Entry(self.settings.compiled_fn(gm), gm, tensor_leaves, out_structure, out_specs)
         except Exception as e:  # any failure to trace: the unit runs eagerly, which raises real errors itself
-            text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            reason = f"{type(e).__name__}: {text}{_where(e)}"
-            self._note(f"it cannot be traced into one graph ({reason})")
+            self._note(f"it cannot be traced into one graph ({_describe(e)})")
             return _EAGER
+        inputs = _graph_inputs(state + [leaves[i] for i in tensor_leaves], grad)
+        try:
+            fn = self.settings.compiled_fn(gm, inputs)
+        except Exception as e:
+            self._note(f"the backend failed to compile its graph ({_describe(e)})", children=False)
+            return _EAGER
+        return _Entry(fn, gm, tensor_leaves, out_structure, out_specs)
 
     def trace(self, leaves: list, structure, state: list, grad: bool) -> tuple:
         """The unit's forward on these arguments as a graph of local ops: (graph, positions of the tensor leaves it
