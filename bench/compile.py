@@ -12,12 +12,13 @@ and input a DTensor replicated on a 1-rank mesh, as bench/model_overhead.py's "o
 - ours: the DTensor model, eager; ours_compiled: `hp.compile(model)` (per decoder layer);
   ours_model: `hp.compile(model, units="model")` (the whole forward as one unit).
 
-Per subject: graphs dynamo compiled and graph breaks it took (its counters, over warm-up), hp.compile's units
-run eagerly (with the reason), compile seconds (wall time of the first no-grad forward plus the first training
+Per subject: graphs and graph breaks (plain: dynamo's counters over the warm-up; ours: the graphs hp.compile
+lowered, which are whole by construction, and the units it ran eagerly, with the reason), compile seconds (wall time of the first no-grad forward plus the first training
 step, minus a warm forward and step), forward ms (no grad) and training step ms (forward with labels, backward,
 AdamW) as medians of thread CPU time, subjects taking turns in blocks so that the machine's drift moves them
 alike; ratios to plain_compiled and to ours. The first step's loss and the logits are compared with the plain
-eager model's (max abs difference). `llama_ref` is model_overhead's reference (hidden 64, 2 layers, sequence
+eager model's (max abs difference). One decoder layer's forward is also explained: plain by
+`torch._dynamo.explain`, ours by `hyper_parallel.compiler.explain`. `llama_ref` is model_overhead's reference (hidden 64, 2 layers, sequence
 16); `llama_mid` is larger (hidden 256, 4 layers, batch 2, sequence 128), where compute weighs more than the
 per-op cost.
 """
@@ -114,6 +115,30 @@ def counters() -> tuple[int, int]:
     return c["stats"]["unique_graphs"], sum(c["graph_break"].values())
 
 
+def layer_explain(model_name: str) -> dict:
+    """Graphs and graph breaks of one decoder layer's forward (grad mode, as in training): plain through
+    `torch._dynamo.explain`, ours through `hyper_parallel.compiler.explain` (the graph hp.compile makes)."""
+    import model_overhead as mo
+    from hyper_parallel.compiler import explain
+    out = {}
+    for name in ("plain", "ours"):
+        model, inputs, _ = build(model_name)
+        if name == "ours":
+            backend = mo.Ours()
+            model, inputs = backend.prepare(model), backend.wrap(inputs)
+        seen = {}
+        layer = _layers(model)[0]
+        hook = layer.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+        model.train()
+        model(**inputs)
+        hook.remove()
+        torch._dynamo.reset()
+        ex = (torch._dynamo.explain(layer) if name == "plain" else
+              lambda *a, **k: explain(layer, *a, **k))(*seen["args"], **seen["kwargs"])
+        out[name] = (ex.graph_count, ex.graph_break_count, ex.op_count)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama_ref")
@@ -135,6 +160,7 @@ def main() -> None:
     # compile seconds are honest only without the on-disk caches earlier runs filled
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+    torch.compile(lambda x: x.sin() + 1)(torch.ones(3))  # inductor's one-time start, charged to no subject
     names = [s.strip() for s in args.subjects.split(",") if s.strip()]
     rows = {}
     ref_logits = ref_loss = None
@@ -154,20 +180,22 @@ def main() -> None:
             s.step()
             warm = time.perf_counter() - t0
         g1, b1 = counters()
-        eager = [str(w.message).split("runs eagerly: ")[-1] for w in caught if "runs eagerly" in str(w.message)]
         if name == "plain":
             ref_logits, ref_loss = logits, loss
         diff = ((logits - ref_logits).abs().max().item(), (loss - ref_loss).abs().item()) if ref_logits is not None \
             else (float("nan"), float("nan"))
-        units = ""
-        if name.startswith("ours_"):
+        row = dict(graphs=g1 - g0, breaks=b1 - b0, eager="-", compile=max(0.0, first - warm), diff=diff, notes=[])
+        if name.startswith("ours_"):  # hp.compile hands its graphs to the backend without dynamo
             from hyper_parallel.compiler import unit_report
             rep = unit_report(s.model)
-            units = f"{len(rep)} units, {sum(r['graphs'] for r in rep)} lowered graphs, {len(eager)} eager"
-        rows[name] = dict(graphs=g1 - g0, breaks=b1 - b0, compile=max(0.0, first - warm), diff=diff, units=units,
-                          eager=eager)
+            row["graphs"] = sum(r["graphs"] for r in rep)
+            row["breaks"] = 0  # a lowered graph is whole by construction
+            row["eager"] = sum(1 for r in rep if r["eager"])
+            row["notes"] = [f"{r['name']}: {e}" for r in rep for e in r["eager"]]
+        rows[name] = row
         subjects.append(s)
         print(f"  {name}: ready ({first:.1f} s first forward + step)", flush=True)
+    layer = layer_explain(args.model)
     # timing: subjects take turns in blocks of 5 calls (the first untimed)
     clock = time.thread_time
     for metric in ("fwd", "train"):
@@ -181,11 +209,11 @@ def main() -> None:
                     s.times[metric].append((clock() - t0) * 1e3)
         gc.collect()
     med = {s.name: {m: statistics.median(s.times[m]) for m in ("fwd", "train")} for s in subjects}
-    print(f"\n{args.model}, torch {torch.__version__}, 1 thread, fp32, thread CPU time, median of "
-          f"{4 * max(1, args.repeat // 4)} calls; load {os.getloadavg()[0]:.1f}\n")
-    print("| subject | graphs | graph breaks | compile s | forward ms | train step ms | vs plain compiled (fwd / step) "
-          "| vs ours eager (fwd / step) | max diff logits / loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\n{args.model}, torch {torch.__version__}, 1 thread, fp32, AdamW {args.optimizer}, thread CPU time, "
+          f"median of {4 * max(1, args.repeat // 4)} calls; load {os.getloadavg()[0]:.1f}\n")
+    print("| subject | graphs | graph breaks | units run eagerly | compile s | forward ms | train step ms "
+          "| vs plain compiled (fwd / step) | vs ours eager (fwd / step) | max diff logits / loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in subjects:
         r, m = rows[s.name], med[s.name]
 
@@ -193,12 +221,14 @@ def main() -> None:
             b = med.get(base)
             return "-" if b is None else f"{m['fwd'] / b['fwd']:.2f}x / {m['train'] / b['train']:.2f}x"
         comp = "-" if s.name in ("plain", "ours") else f"{r['compile']:.1f}"
-        print(f"| {s.name} | {r['graphs']} | {r['breaks']} | {comp} | {m['fwd']:.2f} | {m['train']:.2f} "
+        print(f"| {s.name} | {r['graphs']} | {r['breaks']} | {r['eager']} | {comp} | {m['fwd']:.2f} | {m['train']:.2f} "
               f"| {ratio('plain_compiled')} | {ratio('ours')} | {r['diff'][0]:.1e} / {r['diff'][1]:.1e} |")
+    print(f"\none decoder layer (training forward): plain torch._dynamo.explain {layer['plain'][0]} graph(s), "
+          f"{layer['plain'][1]} break(s), {layer['plain'][2]} ops; ours hyper_parallel.compiler.explain "
+          f"{layer['ours'][0]} graph(s), {layer['ours'][1]} break(s), {layer['ours'][2]} ops")
     for s in subjects:
-        r = rows[s.name]
-        if r["units"]:
-            print(f"{s.name}: {r['units']}" + "".join(f"\n  eager: {e}" for e in r["eager"]))
+        for note in rows[s.name]["notes"]:
+            print(f"{s.name}: eager: {note}")
     dist.destroy_process_group()
 
 
