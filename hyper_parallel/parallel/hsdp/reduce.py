@@ -109,7 +109,7 @@ class Reducer:
             inp = inp.view(-1)
         out = inp.new_empty(inp.numel() // S)
         group = self.topo.reduce_shard_group
-        work = collectives.reduce_scatter_into(out, inp, group, self.comm_async)
+        work = collectives.reduce_scatter_into(out, inp, group, self.comm_async, check_group=self.topo.check_group)
 
         def finish():
             if self.comm_async:
@@ -133,7 +133,8 @@ class Reducer:
                 buf[o:o + n].copy_(p.padded_grad(p.take_grad(), dtype)[:n])
                 o += n
         group = self.topo.reduce_shard_group
-        work = collectives.all_reduce_(buf, group, self.comm_async) if group is not None else None
+        work = collectives.all_reduce_(buf, group, self.comm_async, check_group=self.topo.check_group) \
+            if group is not None else None
 
         def finish():
             if self.comm_async:
