@@ -356,3 +356,61 @@ def unused_parameters(rank, world, level):
 def test_hsdp_leaves_unused_parameters_without_gradient(dist2, level):
     problems = [p for found in dist2.run(unused_parameters, level) for p in found]
     assert not problems, problems
+
+
+# ---- a peer dies: the survivors' hsdp and pipeline collectives raise CollectiveError naming what they ran ------
+def survive_a_dead_peer(rank, world, what):
+    import os
+    if what == "hsdp":
+        model = hp.hsdp(tiny("llama"), optimizer_level="level3", threshold=0)
+        run = lambda: model(input_ids=global_batch(1), labels=global_batch(1)).loss.backward()  # noqa: E731
+    else:
+        pipe = hp.pipeline(tiny("llama"), hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), n_microbatches=2)
+        if rank == 1:  # dies in its stage's forward, after the feed check: rank 0 is inside the schedule
+            pipe.stages[0].forward = lambda *a, **k: os._exit(1)
+        run = lambda: pipe.step(global_batch(1), labels=global_batch(1))  # noqa: E731
+    if rank == 1 and what == "hsdp":
+        os._exit(1)   # as kill -9: no goodbye to the peers
+    try:
+        run()
+        return "no error"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("what,names", [("hsdp", "all_gather"), ("pipeline", "pipeline send/recv")])
+def test_survivors_of_a_dead_peer_raise_collective_error(monkeypatch, what, names):
+    monkeypatch.setenv("HP_COMM_TIMEOUT", "5")
+    pool = harness.Pool(2)
+    try:
+        for inbox in pool.inboxes:   # rank 1 dies without an answer: read rank 0's alone
+            inbox.put((survive_a_dead_peer.__module__, survive_a_dead_peer.__name__, (what,)))
+        rank, ok, message = pool.outbox.get(timeout=60)
+    finally:
+        pool.close(force=True)
+    assert rank == 0 and ok and message.startswith("CollectiveError") and names in message, message
+
+
+# ---- from_pretrained on a mesh with "pp": the Pipeline, each rank reading only its stages ---------------------
+def pipeline_from_folder(rank, world, path):
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pipe = hp.from_pretrained(path, mesh, tp="auto", n_microbatches=2)
+    assert isinstance(pipe, hp.Pipeline), type(pipe)
+    ids = global_batch(1)
+    losses = [pipe.step(ids, labels=ids).item()]
+    names = sorted(n for n, _ in pipe.named_parameters())
+    return losses, names
+
+
+def test_from_pretrained_on_a_pp_mesh_returns_the_pipeline(dist4, tmp_path):
+    model = tiny("llama")
+    model.save_pretrained(tmp_path / "tiny")
+    ids = global_batch(1)
+    want = model(input_ids=ids, labels=ids).loss.item()
+    results = dist4.run(pipeline_from_folder, str(tmp_path / "tiny"))
+    every = {n for n, _ in model.named_parameters()}
+    held = [set(names) for _, names in results]
+    for (losses, _), names in zip(results, held):
+        assert losses[0] == pytest.approx(want, abs=1e-5)
+        assert names < every   # only its stages' parameters (the layers of the other stage are not built)
+    assert held[0] | held[2] == every and not held[0] & held[2]   # pp coordinate 0 (ranks 0, 1) and 1 (2, 3)
