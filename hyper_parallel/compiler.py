@@ -193,14 +193,14 @@ def _install(module: nn.Module, name: str, settings: _Settings) -> None:
 
 def _describe(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text}{_where(e)}"
+    return f"{type(e).__name__}: {text}{'' if isinstance(e, LoweringError) else _where(e)}"
 
 
 def _where(e: BaseException) -> str:
     """' at file:line' of the innermost frame outside torch where `e` was raised (the model's or ours)."""
     import traceback
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename
-              and not f.filename.endswith(f"hyper_parallel{os.sep}compiler.py")]
+              and not f.filename.endswith(f"hyper_parallel{os.sep}compiler.py") and not f.filename.startswith("<")]
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
@@ -218,14 +218,17 @@ def _parts(module: nn.Module, name: str) -> list:
 
 
 # ---- flattening arguments and results ---------------------------------------------------------------------
-def _flatten(obj, leaves: list):
-    """A hashable structure of `obj` (tuples, lists, dicts, pytree containers), its leaves appended to `leaves`."""
+def _flatten(obj, leaves: list, containers: bool = False):
+    """A hashable structure of `obj` (tuples, lists, dicts; with `containers`, any pytree container, as a result
+    may be a `ModelOutput`), its leaves appended to `leaves`. An argument of another type is a leaf: a container
+    the forward could change in place (a cache object) must not be rebuilt for the trace, whose changes would be
+    lost; as a leaf it is refused (neither a tensor nor a constant)."""
     t = type(obj)
     if t is tuple or t is list:
-        return (t, tuple([_flatten(x, leaves) for x in obj]))
+        return (t, tuple([_flatten(x, leaves, containers) for x in obj]))
     if t is dict:
-        return (dict, tuple(obj), tuple([_flatten(v, leaves) for v in obj.values()]))
-    if t in pytree.SUPPORTED_NODES and not isinstance(obj, Tensor):
+        return (dict, tuple(obj), tuple([_flatten(v, leaves, containers) for v in obj.values()]))
+    if containers and t in pytree.SUPPORTED_NODES and not isinstance(obj, Tensor):
         sub, spec = pytree.tree_flatten(obj)
         leaves.extend(sub)
         return ("pytree", spec, len(sub))
@@ -532,10 +535,18 @@ class _Unit:
             args, kwargs = _unflatten(structure, iter(arg_leaves))
             with torch.set_grad_enabled(grad):
                 out = self.original(*args, **kwargs)
+            again: list = []
+            if _flatten((args, kwargs), again) != structure or any(a is not b for a, b in zip(again, arg_leaves)):
+                raise LoweringError("the forward changes a list or dict it was given, which the compiled graph "
+                                    "would not do to the caller's")
             out_leaves: list = []
-            found["structure"] = _flatten(out, out_leaves)
+            found["structure"] = _flatten(out, out_leaves, containers=True)
             specs, result = [], []
             for o in out_leaves:
+                if type(o) is DTensor and o.grad_fn is not None:  # see traceable.local_input
+                    raise LoweringError(f"the forward returns a DTensor made by {type(o.grad_fn).__name__} (an "
+                                        f"autograd.Function applied to DTensors), whose backward a recorded forward "
+                                        f"would lose")
                 same = next((k for k, r in enumerate(rebuilt) if o is r), None)
                 if same is not None:
                     specs.append(("I", same))

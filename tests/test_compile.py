@@ -10,6 +10,7 @@ must give the same values and gradients compiled as eagerly (hypothesis).
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -122,6 +123,66 @@ def test_a_decoder_layer_lowers_to_one_graph_without_breaks(single_card):
     # an argument a graph cannot take is refused loudly, not baked in
     with pytest.raises(LoweringError, match="argument of type object"):
         explain(layer, *seen["args"], cache=object(), **{k: v for k, v in seen["kwargs"].items() if k != "cache"})
+
+
+# ---- what cannot be one graph runs eagerly, loudly, with the same values -----------------------------------
+class _RoundStraightThrough(torch.autograd.Function):
+    """round() forward, identity backward: a recorded forward would differentiate round() (zero) instead."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Tricky(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x, seen=None):
+        h = self.inner(x)
+        if self.how == "function":
+            return _RoundStraightThrough.apply(h * 3)
+        if self.how == "data":
+            return h * 2 if bool(h.sum() > 0) else h * 3
+        if self.how == "hook":
+            h = h * 1
+            h.register_hook(lambda g: g * 2)
+            return h
+        seen.append(1)  # "mutate": the caller's list changes
+        return h
+
+
+@pytest.mark.parametrize("how,reason", [("function", "_RoundStraightThrough"),
+                                        ("data", "cannot be traced"), ("hook", "tensor hook"),
+                                        ("mutate", "changes a list or dict")])
+def test_a_unit_that_cannot_be_one_graph_runs_eagerly_and_loudly(how, reason):
+    torch.manual_seed(0)
+    eager = _replicated(_Tricky(how))
+    compiled = hp.compile(copy.deepcopy(eager), units="model", backend="aot_eager")
+    mesh = hp.Layout((1,), ("tp",))
+    x0 = torch.randn(3, 4)
+    outs = []
+    for model in (eager, compiled):
+        x = hp.DTensor.from_local(x0.clone(), mesh("None", "None")).requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = model(x, []) if how == "mutate" else model(x)
+        (y * y).sum().backward()
+        outs.append([_full(t) for t in (y, x.grad, model.inner.weight.grad)])
+        notes = [str(w.message) for w in caught if "hyper_parallel.compile" in str(w.message)]
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, **FWD)
+    assert len(notes) == 1 and "runs eagerly" in notes[0] and "submodules are compiled" in notes[0], notes
+    report = unit_report(compiled)
+    assert report[0]["graphs"] == 0 and report[0]["eager"], report
+    assert report[1]["name"].endswith("inner") and report[1]["graphs"] == 1, report  # the child compiled instead
+    assert re.search(reason, report[0]["eager"][0]), report
 
 
 # ---- two ranks: tp=2 and hsdp level3 ---------------------------------------------------------------------

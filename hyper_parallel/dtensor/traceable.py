@@ -81,6 +81,10 @@ def move(local: torch.Tensor, src, dst, grad_src, grad_dst, shape) -> torch.Tens
 # ---- the bridge's entry points, traceable ---------------------------------------------------
 def local_input(t, target, grad_layout):
     """`autograd.local_input`: the local an op computes with, its gradient moved back through the graph."""
+    node = t.grad_fn
+    if node is not None:  # wrappers made here are leaves: this one is an autograd.Function's output
+        raise RuntimeError(f"a DTensor made by {type(node).__name__} (an autograd.Function applied to DTensors) "
+                           f"is used: a recorded forward would lose that Function's backward")
     return move(t._local, t._layout, target, grad_layout, grad_target(t._layout), t._shape)
 
 
