@@ -54,6 +54,7 @@ class LoweringError(RuntimeError):
 # Python values a graph may bake in: they are part of the key, so another value traces again.
 _CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 _UNKEYABLE = object()
+_DisableTF = torch._C.DisableTorchFunctionSubclass
 # Call signatures a unit lowers at most (as dynamo's recompile limit): more means shapes that vary from call to
 # call (tokens routed to an expert), where compiling every shape would cost more than it saves.
 MAX_SIGNATURES = 8
@@ -440,13 +441,15 @@ class _Unit:
         structure = _flatten((args, kwargs), leaves)
         state = self._state()
         grad = torch.is_grad_enabled()
-        keys = [_leaf_key(x) for x in leaves]
+        with _DisableTF():  # the wrappers' own requires_grad, read without a __torch_function__ round trip
+            keys = [_leaf_key(x) for x in leaves]
+            state_keys = tuple([_leaf_key(t) for t in state])
         if _UNKEYABLE in keys:
             bad = type(leaves[keys.index(_UNKEYABLE)]).__name__
-            self._note(f"an argument of type {bad} (not a tensor or a constant) is passed", once=bad)
+            self._note(f"an argument of type {bad} (not a tensor or a constant) is passed")
             return self.original(*args, **kwargs)
-        key = (structure, tuple(keys), tuple([_leaf_key(t) for t in state]), grad,
-               torch.is_autocast_enabled(), tuple([m.training for m in self.modules]))
+        key = (structure, tuple(keys), state_keys, grad, torch.is_autocast_enabled(),
+               tuple([m.training for m in self.modules]))
         entry = self.entries.get(key)
         if entry is None:
             if len(self.entries) >= MAX_SIGNATURES:
@@ -474,7 +477,7 @@ class _Unit:
                 result.append(spec[1])
         return _unflatten(entry.out_structure, iter(result))
 
-    def _note(self, reason: str, once=None, children: bool = True) -> None:
+    def _note(self, reason: str, children: bool = True) -> None:
         if reason in self.reasons:
             return
         self.reasons.append(reason)
