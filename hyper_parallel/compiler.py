@@ -10,13 +10,16 @@ run once per unit and call signature, at compile time, and what it does to local
    (`dtensor/traceable.py`), and the ops on local tensors are recorded. The result is a graph on plain
    tensors: this rank's parameters and inputs in, this rank's outputs out, the same on every rank that runs
    the same unit with the same layouts (so the collectives match).
-2. *Compiling.* That graph goes to `torch.compile(fullgraph=True, dynamic=False)`: dynamo traces it as one
-   graph, AOTAutograd derives the backward (the custom ops carry their own), inductor generates code. Units
-   whose graphs are the same (the layers of a model) share one compiled function.
+2. *Compiling.* That graph goes to the torch.compile backend (inductor's `compile_fx` by default) with static
+   shapes: AOTAutograd derives the backward (the custom ops carry their own), inductor generates code. Dynamo
+   is not needed on a graph that is whole by construction, and leaving it out saves its per-call frame
+   evaluation and guards. Units whose graphs and inputs are the same (the layers of a model) share one
+   compiled function.
 3. *Running.* Per call the unit builds a key from what the graph depends on (argument structure; each
-   tensor's layout, global shape, dtype, requires_grad; constants; grad mode; train/eval), takes the
-   locals (parameters through the eager bridge, so their gradients land as DTensors as eagerly), calls the
-   compiled function and wraps its outputs in their recorded layouts. A new key lowers again.
+   tensor's layout, global shape, dtype, strides, requires_grad; constants; grad mode; autocast; train/eval),
+   which is the guard of the compiled function; takes the locals (parameters through one eager bridge node,
+   so their gradients land as DTensors as eagerly), calls the compiled function and wraps its outputs in
+   their recorded layouts. A new key lowers again (at most `MAX_SIGNATURES` per unit).
 
 The unit's hooks stay outside: the module's `forward` is replaced, not its `__call__`, so hsdp's gather and
 reduce hooks, for example, run eagerly around the compiled forward.
@@ -29,6 +32,7 @@ inputs that require grad, changes of Python state during the forward, non-consta
 from __future__ import annotations
 
 import functools
+import traceback
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -116,7 +120,8 @@ def compile(model: nn.Module, *, units: str | Callable | Iterable[nn.Module] = "
 def explain(module: nn.Module, *args, **kwargs):
     """`torch._dynamo.explain` of the graph `hp.compile` makes of `module(*args, **kwargs)`'s forward (graphs,
     graph breaks, ops): how a unit compiles. Raises LoweringError, with the reason, when the forward cannot be
-    traced into one graph (`hp.compile` would then run it eagerly and compile its children)."""
+    traced into one graph (`hp.compile` would then run it eagerly and compile its children). It runs the graph,
+    collectives included: call it on every rank of the mesh."""
     unit = _Unit(module, "", _Settings("eager", None, None, False))
     leaves: list = []
     structure = _flatten((args, kwargs), leaves)
@@ -199,7 +204,6 @@ def _describe(e: BaseException) -> str:
 
 def _where(e: BaseException) -> str:
     """' at file:line' of the innermost frame outside torch where `e` was raised (the model's or ours)."""
-    import traceback
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename
               and not f.filename.endswith(f"hyper_parallel{os.sep}compiler.py") and not f.filename.startswith("<")]
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
