@@ -13,7 +13,8 @@ and input a DTensor replicated on a 1-rank mesh, as bench/model_overhead.py's "o
   ours_model: `hp.compile(model, units="model")` (the whole forward as one unit).
 
 Per subject: graphs and graph breaks (plain: dynamo's counters over the warm-up; ours: the graphs hp.compile
-lowered, which are whole by construction, and the units it ran eagerly, with the reason), compile seconds (wall time of the first no-grad forward plus the first training
+compiled, which are whole by construction (layers with the same graph share one), and the units it ran eagerly,
+with the reason), compile seconds (wall time of the first no-grad forward plus the first training
 step, minus a warm forward and step), forward ms (no grad) and training step ms (forward with labels, backward,
 AdamW) as medians of thread CPU time, subjects taking turns in blocks so that the machine's drift moves them
 alike; ratios to plain_compiled and to ours. The first step's loss and the logits are compared with the plain
@@ -188,7 +189,8 @@ def main() -> None:
         if name.startswith("ours_"):  # hp.compile hands its graphs to the backend without dynamo
             from hyper_parallel.compiler import unit_report
             rep = unit_report(s.model)
-            row["graphs"] = sum(r["graphs"] for r in rep)
+            units = [m.forward._hp_unit for m in s.model.modules() if hasattr(m.__dict__.get("forward"), "_hp_unit")]
+            row["graphs"] = len({id(e.fn) for u in units for e in u.entries.values() if hasattr(e, "fn")})
             row["breaks"] = 0  # a lowered graph is whole by construction
             row["eager"] = sum(1 for r in rep if r["eager"])
             row["notes"] = [f"{r['name']}: {e}" for r in rep for e in r["eager"]]
