@@ -165,9 +165,13 @@ def _build_index(tensors: list, values: dict, gathered: list) -> dict:
             "tensors": entries, "values": values}
 
 
-def make_tmp(path: Path, overwrite: bool, marker: str = INDEX_NAME) -> Path:
-    """A fresh temporary folder beside `path`; refuses to later replace a folder that is not ours."""
-    if path.exists():
+def make_tmp(path: Path, overwrite: bool, marker: str | None = INDEX_NAME) -> Path:
+    """A fresh temporary folder beside `path`; refuses to later replace a folder that is not ours (one without
+    `marker`). `marker=None`: the files will be merged into `path` (see `merge_into`), nothing is replaced whole."""
+    if path.exists() and marker is None:
+        if not path.is_dir():
+            raise CheckpointError(f"{path} exists and is not a folder")
+    elif path.exists():
         if not overwrite:
             raise CheckpointError(f"{path} exists and overwrite=False")
         if path.is_file() or (any(path.iterdir()) and not (path / marker).is_file()):
@@ -179,14 +183,15 @@ def make_tmp(path: Path, overwrite: bool, marker: str = INDEX_NAME) -> Path:
     return tmp
 
 
-def publish(tmp: Path, path: Path, problems: list, finish) -> list:
-    """Rank 0, after every rank wrote into `tmp`: `finish()` (the last file), then swap `tmp` into place.
-    On any problem `tmp` is removed and the previous checkpoint stays. Returns the problems."""
+def publish(tmp: Path, path: Path, problems: list, finish, put=None) -> list:
+    """Rank 0, after every rank wrote into `tmp`: `finish()` (the last file), then swap `tmp` into place
+    (or `put(tmp, path)`). On any problem `tmp` is removed and the previous checkpoint stays. Returns the
+    problems."""
     try:
         if not problems:
             finish()
             fsync_dir(tmp)
-            commit(tmp, path)
+            (put or commit)(tmp, path)
             remove_stale(path)
     except Exception as e:
         problems.append(f"rank 0 could not finish {path}: {e!r}")
@@ -207,6 +212,22 @@ def commit(tmp: Path, path: Path) -> None:
         os.rename(tmp, path)
         shutil.rmtree(old)
     fsync_dir(path.parent)
+
+
+def merge_into(tmp: Path, path: Path, stale: list[str]) -> None:
+    """Move the files of the finished folder `tmp` into the folder `path`, keeping `path`'s other files (as
+    transformers' save_pretrained writes into a folder): first the files matching a `stale` pattern go
+    (a previous save's weight shards), then each new file is renamed in. Each file appears whole, but
+    the set of files is not replaced atomically."""
+    path.mkdir(parents=True, exist_ok=True)
+    for pattern in stale:
+        for old in path.glob(pattern):
+            if old.is_file():
+                old.unlink()
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, path / f.name)
+    tmp.rmdir()
+    fsync_dir(path)
 
 
 def _exchange(a: Path, b: Path) -> bool:
