@@ -116,3 +116,59 @@ def test_trainer_resumes_a_two_rank_checkpoint_in_one_process(tmp_path, one_devi
     _close(got[0], losses, 1e-5, "resumed loss vs one device")
     _close(got[1], evals, 1e-5, "resumed eval loss vs one device")
     _close(got[2], params, 1e-5, "resumed parameters vs one device")
+
+
+# ---- Trainer's mixed precision flags (autocast, as accelerate applies them) and TRL's SFTTrainer -------------
+def test_trainer_bf16_flag_autocasts_as_plain_trainer(tmp_path):
+    """bf16=True: accelerate wraps the forward in autocast; HyperParallelTrainer keeps that (minus DDP)."""
+    from transformers import Trainer, TrainingArguments
+    from hyper_parallel.integrations.transformers import HyperParallelTrainer
+
+    def losses(cls, bf16):
+        args = TrainingArguments(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=BATCH,
+                                 max_steps=2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                                 learning_rate=1e-2, seed=3, disable_tqdm=True, bf16=bf16)
+        trainer = cls(model=tiny("llama"), args=args, train_dataset=_TokenData())
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    want = losses(Trainer, True)
+    assert losses(HyperParallelTrainer, True) == want
+    assert losses(Trainer, False) != want  # autocast changed the numbers: the check above can fail
+
+
+def _sft_losses(cls, model, out: str, batch: int):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)},
+                                                                                    unk_token="t0")),
+                                        pad_token="t0", eos_token="t1", unk_token="t0")
+    rows = torch.randint(2, 96, (16, SEQ), generator=torch.Generator().manual_seed(21))
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=3, logging_steps=1, report_to=[],
+                     save_strategy="no", use_cpu=True, learning_rate=1e-2, seed=3, disable_tqdm=True,
+                     max_length=SEQ, bf16=False)
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows.tolist()}),
+                  processing_class=tokenizer)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def sft_parallel(rank, world, tmp):
+    from hyper_parallel.integrations.transformers import sft_trainer_class
+    out = {}
+    for layout in LAYOUTS:
+        model, batch = _parallel_model(layout, world)
+        out[layout] = _sft_losses(sft_trainer_class(), model, f"{tmp}/{layout}", batch)
+    return out
+
+
+def test_trl_sft_trainer_matches_one_device(tmp_path):
+    pytest.importorskip("trl")
+    from trl import SFTTrainer
+    want = _sft_losses(SFTTrainer, tiny("llama"), str(tmp_path / "one"), BATCH)
+    assert len(want) == 3
+    for got in pool(2).run(sft_parallel, str(tmp_path)):
+        for layout, losses in got.items():
+            assert all(abs(a - b) <= 1e-5 for a, b in zip(losses, want)) and len(losses) == 3, (layout, losses, want)

@@ -98,6 +98,11 @@ class HyperParallelTrainerMixin:
                         "distributed rule; the multi-tensor path computes the same update)")
             args.optim = OptimizerNames.ADAMW_TORCH
         super().__init__(model, args, *rest, **kwargs)
+        # what accelerate adds to a model besides DDP: autocast for bf16=/fp16= (TRL's SFTConfig has bf16=True)
+        model._is_accelerate_prepared = False
+        prepared = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        if prepared is not model:  # torch_compile=True: Trainer runs the compiled module
+            self.model_wrapped = prepared
         self.model_accepts_loss_kwargs = False  # each rank's loss is the mean over its share
         self.dp_size, self.dp_rank = data_parallel_coordinates(model)
         self._in_checkpoint = False
