@@ -24,13 +24,13 @@ class _EvalData(_TokenData):
         self.rows = torch.randint(0, 96, (6, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-def _run(trainer_cls, model, out: str, batch: int, resume: str | None = None):
+def _run(trainer_cls, model, out: str, batch: int, resume: str | None = None, **extra):
     """(training losses by step, eval losses by step, final parameters) of a 4-step run saving every 2 steps."""
     from transformers import TrainingArguments
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=3,
                              max_steps=STEPS, logging_steps=1, save_steps=SAVE_EVERY, eval_strategy="steps",
                              eval_steps=SAVE_EVERY, report_to=[], use_cpu=True, learning_rate=1e-2, seed=3,
-                             disable_tqdm=True, max_grad_norm=0.5, lr_scheduler_type="linear")
+                             disable_tqdm=True, max_grad_norm=0.5, lr_scheduler_type="linear", **extra)
     trainer = trainer_cls(model=model, args=args, train_dataset=_TokenData(), eval_dataset=_EvalData())
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()  # a Hugging Face folder in output_dir, beside the checkpoints
@@ -116,6 +116,22 @@ def test_trainer_resumes_a_two_rank_checkpoint_in_one_process(tmp_path, one_devi
     _close(got[0], losses, 1e-5, "resumed loss vs one device")
     _close(got[1], evals, 1e-5, "resumed eval loss vs one device")
     _close(got[2], params, 1e-5, "resumed parameters vs one device")
+
+
+def best_model_at_end(rank, world, tmp):
+    from hyper_parallel.integrations.transformers import HyperParallelTrainer
+    model, batch = _parallel_model("hsdp", world)
+    return _run(HyperParallelTrainer, model, tmp, batch, load_best_model_at_end=True)
+
+
+def test_trainer_load_best_model_at_end(tmp_path):
+    """The best checkpoint (the lowest eval loss: step 2's, not the last) is read back from its sharded state."""
+    from transformers import Trainer
+    want = _run(Trainer, tiny("llama"), str(tmp_path / "one"), BATCH, load_best_model_at_end=True)
+    last = _run(Trainer, tiny("llama"), str(tmp_path / "last"), BATCH)[2]
+    assert any(not torch.equal(want[2][n], last[n]) for n in last)  # the best is not the last step's model
+    for got in pool(2).run(best_model_at_end, str(tmp_path / "hsdp")):
+        _close(got[2], want[2], 1e-5, "best model vs one device")
 
 
 # ---- Trainer's mixed precision flags (autocast, as accelerate applies them) and TRL's SFTTrainer -------------
