@@ -51,7 +51,7 @@ def make_buckets(params: list, level: int, fusion: bool, bucket_bytes: float) ->
             continue
         kind = "scatter" if p.sharded and level >= 2 else "all_reduce"
         nbytes = p.buffer.numel() * p.buffer.element_size()
-        k = (kind, p.dtype)
+        k = (kind, p.compute_dtype)
         if current and (not fusion or k != key or (bucket_bytes > 0 and size + nbytes > bucket_bytes)):
             buckets.append(Bucket(key[0], current))
             current, size = [], 0.0
@@ -75,7 +75,7 @@ class Reducer:
 
     def reduce(self, bucket: Bucket, used: set | None = None) -> None:
         """Reduce `bucket`'s gradients; with `used`, only those parameters get one (the rest stay None)."""
-        dtype = self.reduce_dtype or bucket.params[0].dtype
+        dtype = self.reduce_dtype or bucket.params[0].compute_dtype
         keep = (lambda p: True) if used is None else used.__contains__
         if bucket.kind == "scatter":
             job = self._scatter(bucket, dtype, keep)
