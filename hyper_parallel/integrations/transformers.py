@@ -19,7 +19,6 @@ What plain `Trainer` gets wrong with a parallel model, and what this subclass do
   rows), so `eval_loss` is the one-device value.
 - the loss is each rank's mean over its share (hsdp averages the gradients over "dp"), returned as a
   plain tensor so that Trainer's logging (an all-gather mean over processes) reports the global loss.
-- the fused AdamW kernel (Trainer's default optimizer) becomes the multi-tensor AdamW (same update).
 - `save_model` is a collective (every rank calls it; the Hugging Face folder is written into
   `output_dir` beside the checkpoints, as Trainer does), not rank 0 only.
 - checkpoints (`save_strategy="steps"`, every `save_steps`, Trainer's default): `checkpoint-N/` holds
@@ -92,11 +91,6 @@ class HyperParallelTrainerMixin:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs the parallelized model (model_init is not supported)")
         model._is_accelerate_prepared = True  # our parallelisms replace DDP: accelerate must not wrap it
-        if args is not None and str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused":
-            from transformers.training_args import OptimizerNames
-            logger.info("HyperParallelTrainer: optim adamw_torch_fused -> adamw_torch (the fused kernel has no "
-                        "distributed rule; the multi-tensor path computes the same update)")
-            args.optim = OptimizerNames.ADAMW_TORCH
         super().__init__(model, args, *rest, **kwargs)
         # what accelerate adds to a model besides DDP: autocast for bf16=/fp16= (TRL's SFTConfig has bf16=True)
         model._is_accelerate_prepared = False

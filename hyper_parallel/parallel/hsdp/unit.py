@@ -28,6 +28,8 @@ failure).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -233,11 +235,31 @@ def _gather(bucket: list, group, async_op: bool):
     return work, finish
 
 
+_STATES: "weakref.WeakSet[HsdpState]" = weakref.WeakSet()
+_STEP_HOOK = None
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """Mark the shards an optimizer step updated as changed. Level1/2 gather a shard (and a compute copy is
+    refreshed) only when it changed, which its version counter tells, but torch's fused optimizer kernels
+    (`fused=True`) write the parameters without bumping it."""
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for state in list(_STATES):
+        for p in state.params:
+            if id(p.sparam) in ids:
+                p.version = None
+
+
 class HsdpState:
     """What the units of one model share: settings, the reducer, the forward order, sync flag."""
 
     def __init__(self, topo, level: int, fusion: bool, bucket_bytes: float, comm_async: bool,
                  reduce_dtype, grad_scale: float, grad_accumulation: bool, mixed_precision=None):
+        global _STEP_HOOK
+        if _STEP_HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+        _STATES.add(self)
         self.topo = topo
         mp = mixed_precision
         self.input_dtype = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
