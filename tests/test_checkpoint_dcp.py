@@ -263,3 +263,13 @@ def test_dcp_save_is_atomic_and_refuses_foreign_folders(tmp_path):
         ckpt.save({"w": torch.ones(2)}, tmp_path / "other", format="dcp")
     with pytest.raises(ValueError, match="unknown format 'torch'"):
         ckpt.save({"w": torch.ones(2)}, tmp_path / "x", format="torch")
+
+
+def test_inspect_lists_a_dcp_checkpoint(tmp_path, capsys):
+    from hyper_parallel.checkpoint.inspect import main
+    path = _dcp_of(tmp_path, {"w": torch.ones(3, 4), "step": 2})
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "1 tensors" in out and "1 values" in out and "(3, 4)" in out and "dcp chunks" in out
+    assert main(["inspect", path, "--verify"]) == 1
+    assert "DCP stores no checksums" in capsys.readouterr().err
