@@ -2,7 +2,7 @@
 
 Run (4 gloo processes on CPU):
 
-    .venv/bin/torchrun --nproc-per-node 4 bench/hsdp_mixed.py [--steps 4] [--hidden 512] [--layers 4] [--rounds 2]
+    .venv/bin/torchrun --nproc-per-node 4 bench/hsdp_mixed.py [--steps 5] [--hidden 512] [--layers 4] [--rounds 2]
 
 Both sides: `param_dtype=bfloat16, reduce_dtype=float32` (`hp.MixedPrecision` / FSDP2's
 `MixedPrecisionPolicy`), fp32 sharded master parameters and AdamW state, every decoder layer and then the
@@ -15,9 +15,7 @@ hsdp runs fused (one collective per unit, `comm_fusion=True, comm_async=True`) a
 """
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -53,42 +51,7 @@ def wrap_ours(fused: bool):
 
 WRAPS = {"hsdp level3 bf16 fused": wrap_ours(True), "hsdp level3 bf16": wrap_ours(False),
          "FSDP2 bf16": wrap_fsdp2}
-hsdp_step.WRAPS.update(WRAPS)  # hsdp_step's time_steps / peak_memory look the contenders up by name
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2, help="timing rounds (interleaved; best round kept)")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    results = {name: {"time": [], "peak": []} for name in WRAPS}
-    for _ in range(args.rounds):  # interleaved, so that load changes hit every contender alike
-        for name in WRAPS:
-            t = torch.tensor([hsdp_step.time_steps(name, args), hsdp_step.peak_memory(name, args)],
-                             dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank, the fullest rank
-            results[name]["time"].append(t[0].item())
-            results[name]["peak"].append(t[1].item())
-    if dist.get_rank() == 0:
-        n = sum(p.numel() for p in hsdp_step.build_llama(args).parameters())
-        print(f"Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}: {n / 1e6:.1f}M params, "
-              f"{dist.get_world_size()} gloo ranks, batch {args.batch}x{args.seq} per rank, AdamW, "
-              f"bf16 params / fp32 reduce / fp32 masters, {args.rounds} rounds")
-        print(f"{'':24s} {'step time (s)':>14s} {'vs FSDP2':>9s} {'peak MiB/rank':>14s} {'vs FSDP2':>9s}")
-        best = {name: (min(r["time"]), statistics.median(r["peak"])) for name, r in results.items()}
-        ref_t, ref_m = best["FSDP2 bf16"]
-        for name, (t, m) in best.items():
-            print(f"{name:24s} {t:14.3f} {t / ref_t:9.2f} {m / 2**20:14.1f} {m / ref_m:9.2f}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    hsdp_step.main(WRAPS, reference="FSDP2 bf16", setting="AdamW, bf16 params / fp32 reduce / fp32 masters")
