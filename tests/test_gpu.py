@@ -100,3 +100,9 @@ def test_cuda_bf16_training_step_on_a_one_rank_mesh_equals_plain():
     assert losses[0] == losses[1]
     for (n, p), (_, o) in zip(plain.named_parameters(), ours.named_parameters()):
         assert torch.equal(_full(o).detach(), p.detach()), n
+
+
+def test_cuda_bf16_policy_equals_bf16_parameters():
+    """hsdp's bf16 mixed precision on one GPU: compute in bf16 from fp32 masters, as the model in bf16."""
+    from tests.test_hsdp_mixed import bf16_policy_equals_bf16_parameters
+    bf16_policy_equals_bf16_parameters(DEV, "level3")

@@ -173,3 +173,87 @@ def test_policy_arguments_are_checked():
         hp.hsdp(tiny("llama"), reduce_dtype=BF16, mixed_precision=hp.MixedPrecision(BF16, reduce_dtype=FP32))
     with pytest.raises(TypeError, match="must be a hyper_parallel.MixedPrecision"):
         hp.hsdp(tiny("llama"), mixed_precision={"param_dtype": BF16})
+
+
+def bf16_policy_equals_bf16_parameters(device: str = "cpu", level: str = "level3") -> None:
+    """One process: the bf16 policy computes exactly what the model does with its parameters (not its
+    buffers) cast to bf16; the gradients land on the fp32 masters as the bf16 gradients upcast."""
+    ours = hp.hsdp(tiny("llama").to(device), threshold=0, optimizer_level=level,
+                   mixed_precision=hp.MixedPrecision(param_dtype=BF16, reduce_dtype=FP32))
+    ref = tiny("llama").to(device)
+    for p in ref.parameters():
+        p.data = p.data.to(BF16)
+    rows = ROWS.to(device)
+    got, want = ours(input_ids=rows, labels=rows).loss, ref(input_ids=rows, labels=rows).loss
+    got.backward()
+    want.backward()
+    assert torch.equal(got.float(), want.float())
+    for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert p.dtype == FP32 and p.grad.dtype == FP32, n
+        assert torch.equal(p.grad.full_tensor(), q.grad.float()), n
+
+
+@pytest.mark.parametrize("level", ["level1", "level3"])
+def test_bf16_policy_in_one_process_equals_bf16_parameters(level):
+    bf16_policy_equals_bf16_parameters("cpu", level)
+
+
+# ---- with expert, context and pipeline parallelism -------------------------------------------------------------
+def mixed_with_ep_and_cp(rank, world, param_dtype):
+    """(our loss, one process' loss) over 2 AdamW steps: ("dp", "ep") via parallelize(ep=True, hsdp=...), and
+    ("dp", "cp") with context_parallel then hsdp; the policy's param_dtype given, reduce in fp32."""
+    import copy
+    from tests.test_context import _batch as cp_batch, _model as cp_model
+    from tests.test_expert import _batch as ep_batch, _model as ep_model
+    mp = hp.MixedPrecision(param_dtype=param_dtype, reduce_dtype=FP32)
+    out = {}
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    ref = ep_model("qwen3_moe")
+    model = hp.parallelize(copy.deepcopy(ref), mesh, ep=True,
+                           hsdp={"optimizer_level": "level3", "threshold": 0, "mixed_precision": mp})
+    ids = ep_batch(8)
+    mine = ids.chunk(hp.data_world(mesh))[hp.data_rank(mesh)]
+    out["ep"] = _steps(model, ref, lambda m: m(input_ids=mine, labels=mine).loss,
+                       lambda m: m(input_ids=ids, labels=ids).loss)
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ref = cp_model("qwen3")
+    model = hp.hsdp(hp.context_parallel(copy.deepcopy(ref), mesh, "cp", "ring"), optimizer_level="level3",
+                    threshold=0, mesh=mesh, mixed_precision=mp)
+    batch, dp = cp_batch(padded=False), mesh.get_local_rank("dp")
+    out["cp"] = _steps(model, ref, lambda m: m(**{k: v[dp:dp + 1] for k, v in batch.items()}).loss,
+                       lambda m: m(**batch).loss)  # both rows count 14 labels: the dp mean is the batch loss
+    return out
+
+
+def _steps(model, ref, ours_loss, ref_loss, steps=2):
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
+    got, want = [], []
+    for _ in range(steps):
+        for m, opt, fn, into in ((model, opts[0], ours_loss, got), (ref, opts[1], ref_loss, want)):
+            loss = fn(m)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            value = loss.full_tensor() if isinstance(loss, hp.DTensor) else loss
+            value = value.detach().float().clone()
+            if m is model:
+                dist.all_reduce(value)
+                value /= dist.get_world_size()
+            into.append(value.item())
+    assert {p.dtype for p in model.parameters()} == {FP32}
+    return got, want
+
+
+@pytest.mark.parametrize("param_dtype,tol", [(FP32, 1e-5), (BF16, 2e-2)])
+def test_policy_with_expert_and_context_parallel(dist4, param_dtype, tol):
+    """fp32 compute copies (the policy's separate masters) equal one process; bf16 trains alike."""
+    for out in dist4.run(mixed_with_ep_and_cp, param_dtype):
+        for name, (got, want) in out.items():
+            assert all(abs(a - b) <= tol * abs(b) for a, b in zip(got, want)), (name, got, want)
+
+
+def test_policy_with_pipeline_equals_one_process(dist4):
+    from tests.test_pipeline import check_against_reference, train_pipelined
+    kwargs = dict(schedule="1f1b", n_microbatches=2,
+                  hsdp={"threshold": 0, "optimizer_level": "level3", "mixed_precision": hp.MixedPrecision(FP32)})
+    check_against_reference(dist4.run(train_pipelined, "llama", (2, 2), ("pp", "dp"), kwargs), "llama", pp=2)
