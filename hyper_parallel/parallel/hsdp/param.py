@@ -120,9 +120,7 @@ class HsdpParam:
             return not self.gathered
         return self._shard_version() != self.version
 
-    def gather_input(self) -> torch.Tensor:
-        """This rank's shard, flat and padded to `step` rows, in the compute dtype on the compute device (a copy:
-        in level1/2 it aliases `buffer`)."""
+    def _current_shard(self) -> torch.Tensor:
         local = self.sparam._local
         if self.level != 3 and not self.separate and not _aliases(local, self.buffer):
             # the optimizer or a load replaced the local tensor: make the buffer rows the shard again
@@ -130,14 +128,25 @@ class HsdpParam:
                 self._buffer_rows().copy_(local)
             self.sparam._local = self._buffer_rows()
             local = self.sparam._local
-        flat = local.reshape(-1)
-        if self.separate:
-            flat = flat.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
-        if self.length == self.step and (self.level == 3 or self.separate):
+        return local
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's shard, flat and padded to `step` rows, in the compute dtype on the compute device (a copy:
+        in level1/2 it aliases `buffer`)."""
+        flat = self._current_shard().reshape(-1)
+        if (self.length == self.step and (self.level == 3 or self.separate) and flat.dtype == self.compute_dtype
+                and flat.device == self.device):
             return flat.contiguous()
-        out = flat.new_zeros(self.step * self.row)
-        out[: self.length * self.row].copy_(flat)
+        out = torch.empty(self.step * self.row, dtype=self.compute_dtype, device=self.device)
+        self.write_gather_input(out)
         return out
+
+    def write_gather_input(self, dst: torch.Tensor) -> None:
+        """Write `gather_input()` into `dst` (flat, `step * row`): cast and copied in by one copy, padding zeroed."""
+        n = self.length * self.row
+        dst[:n].copy_(self._current_shard().reshape(-1), non_blocking=True)
+        if n < dst.numel():
+            dst[n:].zero_()
 
     def alloc(self) -> None:
         storage = self.buffer.untyped_storage()
@@ -187,6 +196,20 @@ class HsdpParam:
         out = torch.zeros(n, dtype=dtype, device=flat.device)
         out[: flat.numel()].copy_(flat)
         return out
+
+    def write_padded_grad(self, dst: torch.Tensor, g: torch.Tensor | None) -> None:
+        """Write `padded_grad(g)` into `dst`, a (parts, step * row) view of a bucket: one (casting) copy."""
+        if g is None:
+            dst.zero_()
+            return
+        flat, n = g.reshape(-1), dst.shape[1]
+        whole, rest = divmod(flat.numel(), n)
+        if whole:
+            dst[:whole].copy_(flat[: whole * n].view(whole, n))
+        if rest:
+            dst[whole, :rest].copy_(flat[whole * n:])
+            dst[whole, rest:].zero_()
+        dst[whole + (1 if rest else 0):].zero_()
 
     def set_grad(self, shard_grad: torch.Tensor) -> None:
         """Give the sharded parameter its gradient, accumulating as torch does for `.grad`."""

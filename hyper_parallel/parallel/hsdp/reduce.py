@@ -104,7 +104,7 @@ class Reducer:
             inp = torch.empty(S, total, dtype=dtype, device=params[0].buffer.device)
             o = 0
             for p, n in zip(params, bucket.sizes):
-                inp[:, o:o + n].copy_(p.padded_grad(p.take_grad(), dtype).view(S, n))
+                p.write_padded_grad(inp[:, o:o + n], p.take_grad())  # cast and copied straight into the bucket
                 o += n
             inp = inp.view(-1)
         out = inp.new_empty(inp.numel() // S)

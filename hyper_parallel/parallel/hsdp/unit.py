@@ -220,7 +220,11 @@ def _gather(bucket: list, group, async_op: bool):
             p.mark_gathered()
         return work, finish
     sizes = [p.step * p.row for p in bucket]
-    inp = torch.cat([p.gather_input() for p in bucket])
+    inp = torch.empty(sum(sizes), dtype=bucket[0].compute_dtype, device=bucket[0].device)
+    o = 0
+    for p, n in zip(bucket, sizes):
+        p.write_gather_input(inp[o:o + n])  # cast and copied straight into the bucket
+        o += n
     out = inp.new_empty(S * inp.numel())
     work = collectives.all_gather_into(out, inp, group, async_op)
 
