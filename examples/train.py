@@ -57,15 +57,15 @@ def main() -> None:
         checkpoint.apply_optimizer_state(opt, state["optim"])
         start = state["step"]
 
-    dp_rank = mesh.coordinate[0]           # this rank's row of the ("dp", "tp") mesh
+    share, shares = hp.data_rank(mesh), hp.data_world(mesh)   # API §12: this rank's share of the batch
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     model.train()
     for step in range(start + args.steps):
-        batch = torch.randint(0, vocab, (dp * args.micro_batch, args.seq), generator=gen)  # the global batch
+        batch = torch.randint(0, vocab, (shares * args.micro_batch, args.seq), generator=gen)  # the global batch
         if step < start:
             continue  # the same data stream after a resume
-        mine = batch[dp_rank * args.micro_batch:(dp_rank + 1) * args.micro_batch]
+        mine = batch.chunk(shares)[share]  # the "tp" ranks of one data share feed the same rows
         loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

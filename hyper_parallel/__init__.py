@@ -10,6 +10,7 @@ from .parallel.parallelize import parallelize, summary
 from .parallel.custom_shard import custom_shard
 from .pretrained import from_pretrained, save_pretrained
 from .parallel.dims import data_rank, data_world
+from .parallel.feed import FeedError
 from .parallel.expert import expert_parallel
 from .parallel.context import context_parallel
 from .parallel.pipeline import Pipeline, pipeline
@@ -27,5 +28,5 @@ __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "cus
 __all__ += ["expert_parallel"]
 __all__ += ["context_parallel"]
 __all__ += ["pipeline", "Pipeline"]
-__all__ += ["data_rank", "data_world"]
+__all__ += ["data_rank", "data_world", "FeedError"]
 __version__ = "0.1.0"

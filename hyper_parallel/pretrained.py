@@ -140,7 +140,8 @@ def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtyp
     model.eval()  # as transformers' from_pretrained
     if pipelined:
         pipe = build_pipeline(model, mesh, PP, initialize=False, **pipeline_kwargs, **parallelize_kwargs)
-        _fill(pipe.model, pipe.stages, folder, mesh)
+        other_stages = set(pipe.state_dict()) - set(pipe.model.state_dict())
+        _fill(pipe.model, pipe.stages, folder, mesh, other_stages)
         return pipe
     if dims is not None:
         refuse_foreign_dtensors(model, "from_pretrained")
@@ -149,14 +150,14 @@ def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtyp
     return model
 
 
-def _fill(model: nn.Module, roots: list, folder: Path, mesh) -> None:
+def _fill(model: nn.Module, roots: list, folder: Path, mesh, held_elsewhere: set = frozenset()) -> None:
     """Memory for each rank's local pieces of a model laid out on the meta device (hsdp's shards through
-    each hsdp root), then the values read from the folder."""
+    each hsdp root), then the values read from the folder (`held_elsewhere`: other stages' tensors)."""
     for root in roots:
         if hasattr(root, "materialize_hsdp"):
             root.materialize_hsdp(_mesh_device(mesh))
     materialize(model)
-    load_hf(model, folder, strict=True)
+    load_hf(model, folder, strict=True, held_elsewhere=held_elsewhere)
 
 
 def _mesh_device(mesh) -> torch.device:

@@ -211,17 +211,19 @@ def _hf_files(folder: Path) -> dict:
 
 
 @torch.no_grad()
-def load_hf(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
+def load_hf(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
+            held_elsewhere: frozenset | set = frozenset()) -> nn.Module:
     """Fill a (possibly sharded) model from a Hugging Face folder; each rank reads only its slices.
 
     Tensors are cast to the model's dtypes (as from_pretrained does with torch_dtype). `strict`:
-    a model tensor missing from the folder, or a folder tensor the model lacks, is an error.
+    a model tensor missing from the folder, or a folder tensor the model lacks, is an error;
+    `held_elsewhere` names the folder's tensors that other ranks hold (a pipeline's other stages).
     Needs no communication, so ranks may call it independently.
     """
     folder = Path(path).absolute()
     where = _hf_files(folder)
     tensors = _model_tensors(model)
-    known = {n for names, _ in tensors for n in names}
+    known = {n for names, _ in tensors for n in names} | set(held_elsewhere)
     missing = [names[0] for names, _ in tensors if not any(n in where for n in names)]
     unexpected = [k for k in where if k not in known]
     if strict and (missing or unexpected):

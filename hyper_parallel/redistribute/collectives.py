@@ -56,11 +56,16 @@ def _unchecked(fn):
     return run
 
 
-def _issue(kind: str, detail, over, collective, *args, **kwargs):
+def _issue(kind: str, detail, over, collective, *args, check_over=None, **kwargs):
     """Run one torch.distributed collective: fingerprints compared first in check mode; a failure (timeout,
-    a peer gone) re-raised with what this rank was running."""
+    a peer gone) re-raised with what this rank was running.
+
+    `check_over`: the group check mode compares over, when not `over` itself: a parallelism that runs its
+    collectives on several groups of the same ranks (hsdp gathers on one, reduces on another, so that an
+    asynchronous reduction never interleaves with a gather) compares them all over one, so that ranks that
+    diverge from one kind to the other meet in the same comparison instead of waiting on different groups."""
     if _check.CHECK[0] and not getattr(collective, "unchecked", False):
-        _check.compare(kind, detail, over)
+        _check.compare(kind, detail, over if check_over is None else check_over)
     try:
         return collective(*args, **kwargs)
     except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
@@ -154,25 +159,25 @@ def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
 
 
 # ---- in place, on flat buffers, optionally asynchronous: hsdp's gathers and gradient reductions ----------
-def all_gather_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False, check_group=None):
     """Every rank's flat `t` concatenated into `out` (rank order); returns the work when `async_op`."""
     _record("all_gather", t)
     return _issue("all_gather", f"flat {t.numel()} {t.dtype}", group, dist.all_gather_single, out, t,
-                  group=group, async_op=async_op)
+                  check_over=check_group, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False, check_group=None):
     """The sum over the ranks of flat `t`, this rank's equal piece into `out`; the work when `async_op`."""
     _record("reduce_scatter", t)
     return _issue("reduce_scatter", f"flat {t.numel()} {t.dtype} sum", group, dist.reduce_scatter_single, out, t,
-                  _OPS["sum"], group=group, async_op=async_op)
+                  _OPS["sum"], check_over=check_group, group=group, async_op=async_op)
 
 
-def all_reduce_(t: torch.Tensor, group, async_op: bool = False, op: str = "sum"):
+def all_reduce_(t: torch.Tensor, group, async_op: bool = False, op: str = "sum", check_group=None):
     """`t` summed (or `op`) over the ranks of `group`, in place; the work when `async_op`."""
     _record("all_reduce", t)
     return _issue("all_reduce", f"in place {t.numel()} {t.dtype} {op}", group, dist.all_reduce, t, _OPS[op],
-                  group=group, async_op=async_op)
+                  check_over=check_group, group=group, async_op=async_op)
 
 
 def wait(work, kind: str, what: str, group) -> None:

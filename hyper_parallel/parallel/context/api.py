@@ -11,6 +11,7 @@ from ...layout import Layout
 from ...layout.layout import PlacementLayout, replicate_layout
 from ...layout.mesh import DeviceMesh
 from .. import feed
+from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
 from .attention import METHODS, ContextSettings, register_attention
 from .zigzag import reorder, zigzag_slice
@@ -40,6 +41,9 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     if method == "ulysses":
         _check_heads_divide(config, mesh, settings)
     lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="context_parallel")
+    if settings.parts == 1:  # one rank holds the whole sequence: the model's own attention is exact
+        record_applied(model, f"cp: axis {axis!r} of size 1, the sequence is not split")
+        return model
     model.config._attn_implementation = register_attention(settings)
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings))
     model.base_model.register_forward_hook(functools.partial(_plain_order_outputs, settings))
@@ -50,7 +54,7 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
 
 def _check_heads_divide(config, mesh: DeviceMesh, settings: ContextSettings) -> None:
     """Ulysses swaps the sequence split for a head split: heads per tp rank must divide by the axis size."""
-    tp = mesh.size("tp") if "tp" in mesh.mesh_dim_names else 1
+    tp = ParallelDims.of(mesh, "context_parallel", allow_other_axes=True).size(TP)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):

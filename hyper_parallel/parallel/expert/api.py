@@ -23,6 +23,7 @@ from ...layout.layout import Layout
 from ...layout.mesh import DeviceMesh
 from ...layout.placement import REPLICATE, Shard
 from .. import feed
+from ..dims import EP, TP
 from ..surgery import (bind_save_pretrained, lay_out_parameters, local_experts, move, record_applied,
                        replicated_elsewhere)
 from .dispatch import dispatch_combine
@@ -57,7 +58,7 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.
         raise ValueError(f"expert_parallel: parameters already live on {', '.join(elsewhere)}, not on {mesh}; expert "
                          f"parallel needs every parameter on the one mesh it is given: shard with that same mesh "
                          f"(style plans then lay out on it), or use hyper_parallel.parallelize")
-    split_by_tp = sorted(name for name, m in experts.items() if m.__dict__.get("_hp_experts_split") == "tp")
+    split_by_tp = sorted(name for name, m in experts.items() if m.__dict__.get("_hp_experts_split") == TP)
     if split_by_tp:
         raise ValueError(f"expert_parallel: the experts of {split_by_tp[:3]} are already split by shard (its plan "
                          f"has an experts style for them); use hyper_parallel.parallelize(model, mesh, ep=True, ...), "
@@ -139,7 +140,7 @@ def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: 
     """Replace the module's forward by: local rows -> dispatch_combine (the module's own forward computing
     this rank's experts on what it received) -> rows of the output, as a DTensor split like the input."""
     original = module.forward
-    module.__dict__["_hp_experts_split"] = "ep"
+    module.__dict__["_hp_experts_split"] = EP
     sig = inspect.signature(original)
     n_total = _expert_count(module)
     n_local = n_total // mesh.size(axis)

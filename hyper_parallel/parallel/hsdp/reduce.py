@@ -109,18 +109,9 @@ class Reducer:
             inp = inp.view(-1)
         out = inp.new_empty(inp.numel() // S)
         group = self.topo.reduce_shard_group
-        work = collectives.reduce_scatter_into(out, inp, group, self.comm_async)
-
-        def finish():
-            if self.comm_async:
-                collectives.wait(work, "reduce_scatter", "hsdp gradient reduction", group)
-            self._across_replicas(out)
-            o = 0
-            for p, n in zip(params, bucket.sizes):
-                if keep(p):
-                    p.set_grad(out[o:o + p.length * p.row])
-                o += n
-        return finish
+        work = collectives.reduce_scatter_into(out, inp, group, self.comm_async, check_group=self.topo.check_group)
+        return self._finisher(work, "reduce_scatter", out, bucket, keep,
+                              lambda p, g: g[: p.length * p.row])  # this rank's rows (the rest is padding)
 
     def _all_reduce(self, bucket: Bucket, dtype, keep):
         params = bucket.params
@@ -133,19 +124,25 @@ class Reducer:
                 buf[o:o + n].copy_(p.padded_grad(p.take_grad(), dtype)[:n])
                 o += n
         group = self.topo.reduce_shard_group
-        work = collectives.all_reduce_(buf, group, self.comm_async) if group is not None else None
+        work = collectives.all_reduce_(buf, group, self.comm_async, check_group=self.topo.check_group) \
+            if group is not None else None
+        # level1: keep the full reduced gradient, hand the shard its rows
+        return self._finisher(work, "all_reduce", buf, bucket, keep,
+                              lambda p, g: g[p.offset * p.row: (p.offset + p.length) * p.row] if p.sharded else g)
+
+    def _finisher(self, work, kind: str, reduced: torch.Tensor, bucket: Bucket, keep, rows):
+        """The job that completes a bucket's reduction: wait (async), reduce across replicas, and give each kept
+        parameter `rows(param, its piece of the reduced buffer)` as its gradient."""
+        group = self.topo.reduce_shard_group
 
         def finish():
             if self.comm_async:
-                collectives.wait(work, "all_reduce", "hsdp gradient reduction", group)
-            self._across_replicas(buf)
+                collectives.wait(work, kind, "hsdp gradient reduction", group)
+            self._across_replicas(reduced)
             o = 0
-            for p, n in zip(params, bucket.sizes):
-                g = buf[o:o + n]
-                if p.sharded:  # level1: keep the full reduced gradient, hand the shard its rows
-                    g = g[p.offset * p.row: (p.offset + p.length) * p.row]
+            for p, n in zip(bucket.params, bucket.sizes):
                 if keep(p):
-                    p.set_grad(g)
+                    p.set_grad(rows(p, reduced[o:o + n]))
                 o += n
         return finish
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ...layout.layout import Layout
 from ...layout.mesh import DeviceMesh, comm_timeout, ensure_process_group, get_mesh
+from ..dims import DP
 
 
 class Topology:
@@ -35,6 +36,8 @@ class Topology:
         self.shard_rank = storage_mesh.coordinate[shard_axis]
         self.gather_group = storage_mesh.get_group(shard_axis) if self.shard_size > 1 else None
         self.reduce_shard_group = _axis_group(storage_mesh, shard_axis)
+        # check mode compares the shard group's gathers and reductions over one group (see collectives._issue)
+        self.check_group = self.gather_group
         self.reduce_replicate_group = (_axis_group(storage_mesh, replicate_axis)
                                        if replicate_axis is not None else None)
 
@@ -109,9 +112,9 @@ def _full_mesh(compute: DeviceMesh | None, mesh) -> DeviceMesh:
     if mesh is not None:
         mesh = _as_mesh(mesh)
         if compute is None and mesh.ndim > 1:
-            if "dp" not in mesh.mesh_dim_names:
+            if DP not in mesh.mesh_dim_names:
                 raise ValueError(f"hsdp(mesh=...) with axes {mesh.mesh_dim_names}: name the data-parallel axis 'dp'")
-            return mesh["dp"]
+            return mesh[DP]
         if compute is not None and compute is not mesh:
             missing = [n for n in compute.mesh_dim_names if n not in mesh.mesh_dim_names]
             if missing:
@@ -120,17 +123,17 @@ def _full_mesh(compute: DeviceMesh | None, mesh) -> DeviceMesh:
         return mesh
     world = dist.get_world_size() if ensure_process_group() else 1
     if compute is None:
-        return get_mesh((world,), ("dp",))
+        return get_mesh((world,), (DP,))
     if len(compute.ranks) == world:
         return compute
     # the parameters live on a sub-mesh taken by name (mesh["tp"]): the mesh it was taken from holds the dp
     # axis; no rank guesses the others' ranks
     root = compute.root
-    if root is compute or len(root.ranks) != world or "dp" not in root.mesh_dim_names:
+    if root is compute or len(root.ranks) != world or DP not in root.mesh_dim_names:
         raise ValueError(f"hsdp: the parameters live on {compute}, which covers {len(compute.ranks)} of the {world} "
                          f"ranks, and no mesh it was taken from has a data-parallel axis 'dp'; pass mesh= (the mesh "
                          f"with the 'dp' axis the parameters' mesh was taken from)")
-    keep = tuple(n for n in root.mesh_dim_names if n in compute.mesh_dim_names or n == "dp")
+    keep = tuple(n for n in root.mesh_dim_names if n in compute.mesh_dim_names or n == DP)
     return root if keep == root.mesh_dim_names else root[keep]
 
 
@@ -138,8 +141,8 @@ def _dp_axis(mesh: DeviceMesh, compute: DeviceMesh | None, used: set) -> int:
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
         axis = 0
-    elif "dp" in names:
-        axis = names.index("dp")
+    elif DP in names:
+        axis = names.index(DP)
     else:
         taken = set(compute.mesh_dim_names) if compute is not None and compute is not mesh else used
         free = [a for a in range(mesh.ndim) if names[a] not in taken]

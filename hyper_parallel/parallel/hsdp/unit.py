@@ -325,9 +325,10 @@ class HsdpState:
         max-reduced over the shard and replica groups (one small all-reduce each)."""
         flags = torch.tensor([p.compute.grad is not None for p in params], dtype=torch.int32,
                              device=self.params[0].buffer.device if self.params else None)
-        for group in (self.topo.reduce_shard_group, self.topo.reduce_replicate_group):
+        for group, check in ((self.topo.reduce_shard_group, self.topo.check_group),
+                             (self.topo.reduce_replicate_group, None)):
             if group is not None:
-                collectives.all_reduce_(flags, group, op="max")
+                collectives.all_reduce_(flags, group, op="max", check_group=check)
         return {p for p, flag in zip(params, flags.tolist()) if flag}
 
     def backward_started(self) -> None:

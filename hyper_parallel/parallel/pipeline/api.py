@@ -128,9 +128,6 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
     if stages_per_rank < 1 or n_microbatches < 1:
         raise ValueError(f"pipeline: stages_per_rank ({stages_per_rank}) and n_microbatches ({n_microbatches}) "
                          f"must be positive")
-    if pp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError("pipeline: the pp axis has size 1, so there is nothing to pipeline; parallelise the "
-                         "model over the other axes with shard/hsdp directly, or give the pp axis more ranks")
     if schedule in _SINGLE_STAGE and stages_per_rank != 1:
         raise ValueError(f"pipeline: schedule {schedule!r} runs one stage per rank; use 'interleaved_1f1b' "
                          f"(or 'interleaved_zb', 'zbv') for stages_per_rank={stages_per_rank}")
@@ -375,13 +372,16 @@ class Pipeline:
         return total * (self._loss_scale / self._valid_tokens)
 
     def _schedule(self, batch_shape: tuple, train: bool):
-        """The torch schedule for this micro-batch shape (stages infer their P2P shapes on first use).
+        """The torch schedule for this micro-batch shape (stages infer their P2P shapes on first use); on a pp
+        axis of size 1 (every stage here), the stages run one after the other with no schedule.
 
         Training runs the chosen schedule. Evaluation runs torch's schedule runtime on a forward-only
         order (each rank: its stages in order, every micro-batch), which every stage placement (loop or
         V) admits; the training schedules' own orders contain backward actions that a run without a
         loss function cannot execute (ZBV's local V turn, for one).
         """
+        if self.pp == 1:
+            return _Sequential(self, train)
         key = (batch_shape, train)
         if key not in self._schedules:
             stages = [CountedStage(view, spec.index, spec.n_stages, self.device, group=self.group)
@@ -398,6 +398,33 @@ class Pipeline:
     def __repr__(self) -> str:
         stages = ", ".join(f"{s.index} (layers {s.layers.start}-{s.layers.stop - 1})" for s in self.specs)
         return f"Pipeline({self.schedule_name}, {self.n_microbatches} micro-batches, stages {stages})"
+
+
+class _Sequential:
+    """The schedule of a pp axis of size 1: each micro-batch through every stage in order, then its loss's
+    backward (what any schedule computes, with nothing to overlap)."""
+
+    def __init__(self, pipe: "Pipeline", train: bool):
+        self.pipe, self.train = pipe, train
+
+    def step(self, *args, target=None, losses=None, return_outputs=True, **kwargs):
+        n = self.pipe.n_microbatches
+        chunks = [torch.tensor_split(t, n) for t in args]
+        kw_chunks = {k: torch.tensor_split(v, n) for k, v in kwargs.items()}
+        targets = torch.tensor_split(target, n) if target is not None else [None] * n
+        outputs = []
+        for i in range(n):
+            out = chunks[0][i]
+            micro = {k: v[i] for k, v in kw_chunks.items()}
+            for stage in self.pipe.stages:
+                out = stage(out, **micro)
+            if self.train:
+                loss = self.pipe._loss(out, targets[i])
+                loss.backward()
+                losses.append(loss.detach())
+            else:
+                outputs.append(out)
+        return torch.cat(outputs) if outputs and return_outputs else None
 
 
 class CountedStage(PipelineStage):

@@ -227,7 +227,7 @@ def _install_experts(model: nn.Module, res: Resolved) -> None:
     for name in res.experts:
         module = modules[name]
         module.forward = _experts_forward(module, module.forward, name)
-        module.__dict__["_hp_experts_split"] = "tp"
+        module.__dict__["_hp_experts_split"] = TP
 
 
 def _experts_forward(module: nn.Module, original, where: str):
