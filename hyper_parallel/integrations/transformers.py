@@ -11,7 +11,8 @@
 What plain `Trainer` gets wrong with a parallel model, and what this subclass does instead:
 - accelerate wraps the model in DistributedDataParallel over every process; hyper_parallel's hsdp
   already reduces gradients over "dp" (and "tp" ranks must not be averaged at all): the model is
-  handed to accelerate as already prepared.
+  handed to accelerate as already prepared, and only what accelerate adds besides DDP is applied
+  (autocast for `bf16=True` / `fp16=True`, which TRL's SFTConfig sets by default).
 - accelerate gives every process a different batch; here every rank draws the *global* batch exactly
   as a one-device Trainer with batch size `per_device_train_batch_size * dp` would (same sampler, seed
   and order) and keeps its data-parallel share, so ranks of one "tp" group see the same rows.
