@@ -55,6 +55,8 @@ from ..checkpoint import (CheckpointMismatchError, CheckpointNotFoundError, appl
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..dtensor.dtensor import DTensor
+from ..parallel import feed
+from ..parallel.dims import ParallelDims
 
 logger = logging.getLogger("hyper_parallel")
 
@@ -62,7 +64,12 @@ STATE_DIR = "hyper_parallel"  # inside checkpoint-N/: the sharded model and opti
 
 
 def data_parallel_coordinates(model: nn.Module) -> tuple[int, int]:
-    """(dp size, this rank's dp index) of a parallelized model: from its hsdp topology, else (1, 0)."""
+    """(number of data shares, this rank's share) of a parallelized model (API §12): over the data axes "dp"
+    and "ep" of the mesh its parallelisms share, else from its hsdp topology, else (1, 0)."""
+    model_feed = feed.feed_of(model)
+    if model_feed is not None:
+        dims = ParallelDims.of(model_feed.mesh, "HyperParallelTrainer", allow_other_axes=True)
+        return dims.data_world, dims.data_rank
     state = getattr(model, "_hsdp_state", None)
     if state is None:
         return 1, 0
