@@ -119,7 +119,10 @@ def peak_in_window(prof, window_name: str) -> int:
     return peak
 
 
-def main():
+def main(wraps: dict | None = None, reference: str = "FSDP2 fully_shard", setting: str = "AdamW"):
+    """Time and measure `wraps` (name -> model wrapper; default WRAPS), ratios to `reference`'s."""
+    wraps = wraps or WRAPS
+    WRAPS.update(wraps)  # time_steps / peak_memory look a contender up by name
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
@@ -133,9 +136,9 @@ def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = {name: {"time": [], "peak": []} for name in WRAPS}
+    results = {name: {"time": [], "peak": []} for name in wraps}
     for _ in range(args.rounds):  # interleave the contenders so load changes hit them alike
-        for name in WRAPS:
+        for name in wraps:
             t = torch.tensor([time_steps(name, args), peak_memory(name, args)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank, the fullest rank
             results[name]["time"].append(t[0].item())
@@ -146,11 +149,11 @@ def main():
     if rank == 0:
         n = sum(p.numel() for p in build_llama(args).parameters())
         print(f"Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}: {n / 1e6:.1f}M params, "
-              f"{world} gloo ranks, batch {args.batch}x{args.seq} per rank, AdamW")
-        print(f"{'':20s} {'step time (s)':>14s} {'vs FSDP2':>9s} {'peak MiB/rank':>14s} {'vs FSDP2':>9s}")
-        ref = results["FSDP2 fully_shard"]
+              f"{world} gloo ranks, batch {args.batch}x{args.seq} per rank, {setting}, {args.rounds} rounds")
+        print(f"{'':24s} {'step time (s)':>14s} {'vs FSDP2':>9s} {'peak MiB/rank':>14s} {'vs FSDP2':>9s}")
+        ref = results[reference]
         for name, r in results.items():
-            print(f"{name:20s} {r['time']:14.3f} {r['time'] / ref['time']:9.2f} {r['peak'] / 2**20:14.1f} "
+            print(f"{name:24s} {r['time']:14.3f} {r['time'] / ref['time']:9.2f} {r['peak'] / 2**20:14.1f} "
                   f"{r['peak'] / ref['peak']:9.2f}")
     dist.destroy_process_group()
 

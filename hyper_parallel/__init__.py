@@ -5,7 +5,7 @@ from .dtensor import DTensor, distribute_tensor
 from .layout import DeviceMesh, Layout, Partial, Placement, Replicate, Shard, init_device_mesh
 from .redistribute import comm_counter
 from .parallel.shard import ShardingPlan, init_parameters, load_sharded, shard, shard_module
-from .parallel.hsdp import hsdp
+from .parallel.hsdp import MixedPrecision, hsdp
 from .parallel.parallelize import parallelize, summary
 from .parallel.custom_shard import custom_shard
 from .pretrained import from_pretrained, save_pretrained
@@ -24,7 +24,7 @@ __all__ = [
 ]
 __all__ += ["set_check", "CheckError", "CollectiveError"]
 __all__ += ["shard", "shard_module", "ShardingPlan", "init_parameters", "load_sharded"]
-__all__ += ["hsdp"]
+__all__ += ["hsdp", "MixedPrecision"]
 __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "custom_shard"]
 __all__ += ["expert_parallel"]
 __all__ += ["context_parallel"]

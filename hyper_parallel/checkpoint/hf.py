@@ -27,7 +27,7 @@ from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFound
 from .format import SafetensorsWriter, hf_weight_map, write_json
 from .loader import SliceReader
 from .pieces import local_of, overlap, region, writer_pieces
-from .saver import make_tmp, publish
+from .saver import make_tmp, merge_into, publish
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_JSON = "model.safetensors.index.json"
@@ -113,10 +113,13 @@ def _architecture(model: nn.Module) -> str:
 
 
 def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = True,
-              max_shard_size: int | str = "50GB", state_dict: dict | None = None) -> None:
+              max_shard_size: int | str = "50GB", state_dict: dict | None = None, merge: bool = False) -> None:
     """Write a full Hugging Face checkpoint folder from a (possibly sharded) model; every rank calls it.
 
     The folder appears atomically (temporary folder, then rename); `from_pretrained(path)` loads it.
+    `merge=True` writes into `path` instead, keeping the files that are not the model's (Trainer's
+    output_dir with its checkpoint-N folders): a previous save's weights are replaced, each file
+    appears whole, but not the set of them at once.
     Weights past `max_shard_size` (bytes, or "5GB" style) are split over several files with an index.
     `state_dict`: the whole model's tensors by name, the same keys in the same order on every rank, when
     `model` holds only part of them (a pipeline stage: its `Pipeline.state_dict()`); `model` then gives the
@@ -129,7 +132,7 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = Tr
     tmp, problems = None, []
     if me == 0:
         try:
-            tmp = make_tmp(path, overwrite, marker="config.json")
+            tmp = make_tmp(path, overwrite, marker=None if merge else "config.json")
             config = getattr(model, "config", None)
             if config is None or not hasattr(config, "save_pretrained"):
                 raise CheckpointError("export_hf needs a transformers model (with .config)")
@@ -175,7 +178,9 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *, overwrite: bool = Tr
                 index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
                          "weight_map": {names[0]: fname for fname, group in files for names, _ in group}}
                 write_json(tmp / INDEX_JSON, index)
-        problems = publish(tmp, path, problems, finish)
+        put = (lambda a, b: merge_into(a, b, ["model.safetensors", "model-*-of-*.safetensors", INDEX_JSON])) \
+            if merge else None
+        problems = publish(tmp, path, problems, finish, put)
         if problems and writer is not None:
             writer.abort()
     problems = comm.broadcast_object(problems)

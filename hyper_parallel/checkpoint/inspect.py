@@ -10,7 +10,8 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .flatten import decode_value
-from .format import dtype_from_name, read_index
+from .dcp import dcp_entries, is_dcp_folder
+from .format import INDEX_NAME, dtype_from_name, read_index
 from .loader import SliceReader, check_crc, resolve_path
 
 
@@ -35,6 +36,8 @@ def describe_layout(info: dict | None) -> str:
 def summarize(path: str) -> dict:
     """The index as rows: key, dtype, shape, layout, bytes, pieces (plus values and totals)."""
     folder = resolve_path(path)
+    if is_dcp_folder(folder) and not (folder / INDEX_NAME).is_file():
+        return _summarize_dcp(folder)
     index = read_index(folder)
     rows = []
     for key, e in index["tensors"].items():
@@ -46,9 +49,28 @@ def summarize(path: str) -> dict:
             "values": values}
 
 
+def _summarize_dcp(folder: Path) -> dict:
+    """The same listing for a torch.distributed.checkpoint folder (its `.metadata`; values are not unpickled)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    rows, values = [], {}
+    for key, md in dcp_entries(folder).items():
+        if isinstance(md, BytesStorageMetadata):
+            values[key] = "<a pickled value>"
+            continue
+        dtype = str(md.properties.dtype).removeprefix("torch.")
+        rows.append({"key": key, "dtype": dtype, "shape": list(md.size), "layout": "dcp chunks",
+                     "bytes": math.prod(md.size) * md.properties.dtype.itemsize, "pieces": len(md.chunks)})
+    files = {f.name: {"bytes": f.stat().st_size} for f in sorted(folder.glob("*.distcp"))}
+    writers = {name.split("_")[2] for name in files if name.startswith("__") and name.count("_") >= 3}
+    return {"path": str(folder), "world_size": len(writers) or len(files), "files": files, "tensors": rows,
+            "values": values, "format": "dcp"}
+
+
 def verify(path: str) -> list[str]:
     """Checksum every stored piece; the problems found (empty when intact)."""
     folder = resolve_path(path)
+    if is_dcp_folder(folder) and not (folder / INDEX_NAME).is_file():
+        return [f"{folder} is a torch.distributed.checkpoint folder: DCP stores no checksums to verify"]
     index = read_index(folder)
     problems = []
     with ExitStack() as stack:

@@ -21,6 +21,7 @@ import torch
 
 from ..dtensor.dtensor import DTensor
 from . import comm
+from .dcp import check_leaves, dcp_entries, is_dcp_folder, read_dcp
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .flatten import decode_value, flatten
 from .format import INDEX_NAME, dtype_from_name, dtype_name, member_file, read_index, tensor_bytes
@@ -94,16 +95,19 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
     every stored piece that is read is checked against its CRC32. Errors: CheckpointNotFoundError,
     CheckpointMismatchError (keys, shapes, dtypes), CheckpointCorruptError (truncated, unreadable or
     checksum), each naming the key and file.
+
+    `path` may also be a torch.distributed.checkpoint (DCP) folder, as FSDP2 or torchtitan save one
+    (`dcp.save(model.state_dict(), ...)`: load `model.state_dict()` from it): read with DCP's own
+    reader into the current layouts, with the same key, shape and dtype checks (DCP stores no
+    checksums, so `verify` has nothing to check there).
     """
     folder = resolve_path(path)
+    if is_dcp_folder(folder) and not (folder / INDEX_NAME).is_file():
+        return _load_dcp(state, folder, strict)
     index = read_index(folder)
     leaves = flatten(state)
     stored_t, stored_v = index["tensors"], index["values"]
-    have = {leaf.key for leaf in leaves}
-    missing = [leaf.key for leaf in leaves if leaf.key not in stored_t and leaf.key not in stored_v]
-    unexpected = [k for k in list(stored_t) + list(stored_v) if k not in have]
-    if strict and (missing or unexpected):
-        raise CheckpointMismatchError(_key_message(folder, missing, unexpected))
+    missing, unexpected = _match_keys(leaves, list(stored_t) + list(stored_v), folder, strict)
     _check_leaves(leaves, stored_t, stored_v, folder)
     _check_files(index, folder)
 
@@ -127,21 +131,56 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
         if verify:
             _verify_rest(reader, tensor_leaves, stored_t, verified, errors, folder)
     comm.raise_first(comm.all_gather_object(errors), CheckpointCorruptError)
+    values = {leaf.key: decode_value(stored_v[leaf.key]) for leaf in leaves
+              if not leaf.is_tensor and leaf.key in stored_v}
+    _apply(leaves, buffers, values)
+    return LoadResult(missing, unexpected)
 
+
+def _load_dcp(state: dict, folder: Path, strict: bool) -> LoadResult:
+    """`load` from a torch.distributed.checkpoint folder (see dcp.py): same checks, then DCP's reader."""
+    leaves = flatten(state)
+    entries = dcp_entries(folder)
+    missing, unexpected = _match_keys(leaves, list(entries), folder, strict)
+    check_leaves(leaves, entries, folder)
+    buffers, values, errors = {}, {}, []
+    try:
+        buffers, values = read_dcp(folder, leaves, entries)
+    except CheckpointError as e:
+        errors.append(str(e))
+    except Exception as e:  # report, never leave the other ranks waiting below
+        errors.append(f"reading the DCP checkpoint {folder} failed: {e!r}")
+    comm.raise_first(comm.all_gather_object(errors), CheckpointCorruptError)
+    _apply(leaves, buffers, values)
+    return LoadResult(missing, unexpected)
+
+
+def _match_keys(leaves: list, stored: list, folder: Path, strict: bool) -> tuple[list, list]:
+    """(missing, unexpected) keys; with `strict` either is an error (decided from the index: on every rank)."""
+    have = {leaf.key for leaf in leaves}
+    stored_set = set(stored)
+    missing = [leaf.key for leaf in leaves if leaf.key not in stored_set]
+    unexpected = [k for k in stored if k not in have]
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(_key_message(folder, missing, unexpected))
+    return missing, unexpected
+
+
+def _apply(leaves: list, buffers: dict, values: dict) -> None:
+    """Copy the checked buffers into the state's tensors and put the values into their containers."""
     with torch.no_grad():
-        for leaf in tensor_leaves:
-            if leaf.key in buffers:
+        for leaf in leaves:
+            if leaf.is_tensor and leaf.key in buffers:
                 _fill(leaf.value, buffers.pop(leaf.key))
     for leaf in leaves:
-        if not leaf.is_tensor and leaf.key in stored_v:
-            value = decode_value(stored_v[leaf.key])
+        if not leaf.is_tensor and leaf.key in values:
+            value = values[leaf.key]
             if isinstance(leaf.container, tuple):
                 if leaf.container[leaf.slot] != value:
                     raise CheckpointMismatchError(f"{leaf.key!r} sits in a tuple and cannot be replaced in place "
                                                   f"(saved {value!r}, found {leaf.container[leaf.slot]!r})")
                 continue
             leaf.container[leaf.slot] = value
-    return LoadResult(missing, unexpected)
 
 
 def _key_message(folder: Path, missing: list, unexpected: list) -> str:

@@ -23,6 +23,7 @@ import torch
 
 from ..dtensor.dtensor import DTensor
 from . import comm
+from .dcp import METADATA_NAME, write_dcp
 from .errors import CheckpointError
 from .flatten import encode_value, flatten
 from .format import (FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, SafetensorsWriter, dtype_name, write_json)
@@ -33,23 +34,32 @@ def piece_name(key: str, offsets) -> str:
     return f"{key}@{','.join(map(str, offsets))}"
 
 
-def save(state: dict, path: str | os.PathLike, *, overwrite: bool = True) -> None:
+FORMATS = ("hyper_parallel", "dcp")
+
+
+def save(state: dict, path: str | os.PathLike, *, overwrite: bool = True, format: str = "hyper_parallel") -> None:
     """Save a (nested) dict of DTensors, tensors and Python values to the folder `path`, atomically.
 
     Every rank must call it. DTensors may have any layout (Partial is reduced first); each rank
     writes only pieces it holds, and replicated data once (one holder per piece, balancing bytes
     across ranks). Plain tensors are assumed equal on all ranks; Python values come from rank 0. An
     existing checkpoint at `path` is replaced only once the new one is complete.
+    `format="dcp"`: a torch.distributed.checkpoint folder, written by DCP's own `FileSystemWriter`,
+    which `dcp.load` reads into FSDP2 / torch DTensors (keys: the state flattened as DCP flattens it).
     """
+    if format not in FORMATS:
+        raise ValueError(f"save: unknown format {format!r}; use one of {FORMATS}")
     path = Path(path).absolute()
     me = comm.rank()
     leaves = flatten(state)
     values: dict = {}
+    raw_values: dict = {}
     tensors: list = []
     with torch.no_grad():
         for leaf in leaves:
             if not leaf.is_tensor:
-                values[leaf.key] = encode_value(leaf.value, leaf.key)
+                values[leaf.key] = encode_value(leaf.value, leaf.key)  # checks it is a value we store
+                raw_values[leaf.key] = leaf.value
                 continue
             t = leaf.value
             dtype_name(t.dtype)
@@ -65,13 +75,15 @@ def save(state: dict, path: str | os.PathLike, *, overwrite: bool = True) -> Non
     tmp, err = None, None
     if me == 0:
         try:
-            tmp = str(make_tmp(path, overwrite))
+            tmp = str(make_tmp(path, overwrite, marker=METADATA_NAME if format == "dcp" else INDEX_NAME))
         except (OSError, CheckpointError) as e:
             err = str(e)
     tmp, err = comm.broadcast_object((tmp, err))
     if err:
         raise CheckpointError(err)
     tmp = Path(tmp)
+    if format == "dcp":
+        return _save_dcp(tensors, raw_values, tmp, path)
 
     mine = [(leaf.key, offsets, sizes, local_of(t)) for leaf, t, offsets, sizes in plan_writes(tensors)]
     fname = f"rank{me:05d}.safetensors"
@@ -92,13 +104,25 @@ def save(state: dict, path: str | os.PathLike, *, overwrite: bool = True) -> Non
                 writer.abort()
             errors.append(f"rank {me} could not write {tmp / fname}: {e!r}")
     gathered = comm.all_gather_object((meta, file_info, errors))
+    _finish(tmp, path, [e for _, _, errs in gathered for e in errs],
+            lambda: write_json(tmp / INDEX_NAME, _build_index(tensors, values, gathered)))
 
+
+def _save_dcp(tensors: list, values: dict, tmp: Path, path: Path) -> None:
+    """The DCP flavour of `save`: DCP writes into `tmp` (its `.metadata` last), then the same publishing."""
+    errors = []
+    try:
+        write_dcp(tensors, values, tmp)
+    except Exception as e:  # DCP raises on every rank when any rank failed; report it like ours
+        errors.append(f"rank {comm.rank()} could not write the DCP checkpoint in {tmp}: {e!r}")
+    _finish(tmp, path, [e for errs in comm.all_gather_object(errors) for e in errs], lambda: None)
+
+
+def _finish(tmp: Path, path: Path, problems: list, finish) -> None:
+    """Rank 0 publishes `tmp` at `path` unless a rank reported a problem; every rank learns the outcome."""
     outcome = None
-    if me == 0:
-        problems = [e for _, _, errs in gathered for e in errs]
-        problems = publish(tmp, path, problems,
-                           lambda: write_json(tmp / INDEX_NAME, _build_index(tensors, values, gathered)))
-        outcome = problems or None
+    if comm.rank() == 0:
+        outcome = publish(tmp, path, problems, finish) or None
     outcome = comm.broadcast_object(outcome)
     if outcome:
         raise CheckpointError(f"saving {path} failed; the previous checkpoint (if any) is untouched:\n  "
@@ -165,9 +189,13 @@ def _build_index(tensors: list, values: dict, gathered: list) -> dict:
             "tensors": entries, "values": values}
 
 
-def make_tmp(path: Path, overwrite: bool, marker: str = INDEX_NAME) -> Path:
-    """A fresh temporary folder beside `path`; refuses to later replace a folder that is not ours."""
-    if path.exists():
+def make_tmp(path: Path, overwrite: bool, marker: str | None = INDEX_NAME) -> Path:
+    """A fresh temporary folder beside `path`; refuses to later replace a folder that is not ours (one without
+    `marker`). `marker=None`: the files will be merged into `path` (see `merge_into`), nothing is replaced whole."""
+    if path.exists() and marker is None:
+        if not path.is_dir():
+            raise CheckpointError(f"{path} exists and is not a folder")
+    elif path.exists():
         if not overwrite:
             raise CheckpointError(f"{path} exists and overwrite=False")
         if path.is_file() or (any(path.iterdir()) and not (path / marker).is_file()):
@@ -179,14 +207,15 @@ def make_tmp(path: Path, overwrite: bool, marker: str = INDEX_NAME) -> Path:
     return tmp
 
 
-def publish(tmp: Path, path: Path, problems: list, finish) -> list:
-    """Rank 0, after every rank wrote into `tmp`: `finish()` (the last file), then swap `tmp` into place.
-    On any problem `tmp` is removed and the previous checkpoint stays. Returns the problems."""
+def publish(tmp: Path, path: Path, problems: list, finish, put=None) -> list:
+    """Rank 0, after every rank wrote into `tmp`: `finish()` (the last file), then swap `tmp` into place
+    (or `put(tmp, path)`). On any problem `tmp` is removed and the previous checkpoint stays. Returns the
+    problems."""
     try:
         if not problems:
             finish()
             fsync_dir(tmp)
-            commit(tmp, path)
+            (put or commit)(tmp, path)
             remove_stale(path)
     except Exception as e:
         problems.append(f"rank 0 could not finish {path}: {e!r}")
@@ -207,6 +236,22 @@ def commit(tmp: Path, path: Path) -> None:
         os.rename(tmp, path)
         shutil.rmtree(old)
     fsync_dir(path.parent)
+
+
+def merge_into(tmp: Path, path: Path, stale: list[str]) -> None:
+    """Move the files of the finished folder `tmp` into the folder `path`, keeping `path`'s other files (as
+    transformers' save_pretrained writes into a folder): first the files matching a `stale` pattern go
+    (a previous save's weight shards), then each new file is renamed in. Each file appears whole, but
+    the set of files is not replaced atomically."""
+    path.mkdir(parents=True, exist_ok=True)
+    for pattern in stale:
+        for old in path.glob(pattern):
+            if old.is_file():
+                old.unlink()
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, path / f.name)
+    tmp.rmdir()
+    fsync_dir(path)
 
 
 def _exchange(a: Path, b: Path) -> bool:

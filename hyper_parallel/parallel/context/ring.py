@@ -180,7 +180,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, vis: Visibility, scale: float):
         out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-        lse = q.new_full(q.shape[:-1], _NEG_INF)
+        lse = q.new_full(q.shape[:-1], _NEG_INF, dtype=torch.float32)  # fp32 for bf16/fp16 q too, as flash kernels keep it
         kv = torch.cat([k, v], -1)
         dk = k.shape[-1]
         for step in range(ring.parts):

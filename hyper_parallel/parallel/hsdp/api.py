@@ -35,7 +35,8 @@ from torch import nn
 
 from ...dtensor.dtensor import DTensor
 from ..surgery import bind_save_pretrained, record_applied, refuse_foreign_dtensors, registrations
-from . import topology
+from . import policy, topology
+from .policy import MixedPrecision
 from .param import HsdpParam
 from .unit import HsdpState, Unit
 
@@ -106,7 +107,8 @@ class HSDPModule:
 
 def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimizer_level: str = "level1",
          enable_grad_accumulation: bool = False, grad_scale: float = 1.0, reduce_dtype: torch.dtype | None = None,
-         comm_async: bool = False, comm_fusion: bool = False, bucket_size: float = -1, mesh=None) -> nn.Module:
+         comm_async: bool = False, comm_fusion: bool = False, bucket_size: float = -1, mesh=None,
+         mixed_precision: MixedPrecision | None = None, offload: str | None = None) -> nn.Module:
     """Shard `model` for data parallelism in place and return it.
 
     shard_size: ranks one parameter is sharded over (-1: all dp ranks); the dp ranks beyond it hold
@@ -116,6 +118,10 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
     next module's gather and reduce in the background. comm_fusion/bucket_size (KB, -1 = per module):
     pack several parameters into one collective. mesh: the data-parallel mesh (or a mesh with a "dp"
     axis); by default all ranks that the parameters' own layouts do not use.
+    mixed_precision: `MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` computes in
+    bf16 from fp32 sharded master parameters (and so fp32 optimizer state), as FSDP2's policy does.
+    offload="cpu": the sharded parameters, their gradients and so the optimizer state stay in host memory;
+    each gather copies the shards in, each reduction copies the gradient shard out (FSDP2's CPUOffloadPolicy).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hsdp takes an nn.Module, got {type(model).__name__}")
@@ -125,20 +131,22 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
             raise ValueError(f"hsdp: {'the model' if m is model else type(m).__name__} is already wrapped by hsdp; "
                              f"call hsdp once, on the whole model")
     _check_arguments(shard_size, threshold, optimizer_level, grad_scale, reduce_dtype, bucket_size)
+    param_dtype, reduce_dtype, mixed_precision, offload = policy.resolve(mixed_precision, reduce_dtype, offload)
     level = _LEVELS[optimizer_level]
     registered = registrations(model)
     params = [p for p, _ in registered.values()]
     topo = topology.resolve(params, mesh, shard_size)
     bucket_bytes = -1.0 if bucket_size is None or bucket_size < 0 else float(bucket_size) * 1024
     state = HsdpState(topo, level, bool(comm_fusion), bucket_bytes, bool(comm_async), reduce_dtype,
-                      float(grad_scale), bool(enable_grad_accumulation))
+                      float(grad_scale), bool(enable_grad_accumulation), mixed_precision)
 
     owner = _owners(model, registered)
     by_unit: dict = {}
     with torch.no_grad():
         for pid, (param, regs) in registered.items():
             fqn = regs[0][2]
-            hp = HsdpParam(fqn, param, [(m, n) for m, n, _ in regs], topo, level, float(threshold) * 1024)
+            hp = HsdpParam(fqn, param, [(m, n) for m, n, _ in regs], topo, level, float(threshold) * 1024,
+                           param_dtype, offload)
             hp.install(hp.sparam)
             state.params.append(hp)
             by_unit.setdefault(owner[pid], []).append(hp)

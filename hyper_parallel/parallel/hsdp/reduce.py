@@ -51,7 +51,7 @@ def make_buckets(params: list, level: int, fusion: bool, bucket_bytes: float) ->
             continue
         kind = "scatter" if p.sharded and level >= 2 else "all_reduce"
         nbytes = p.buffer.numel() * p.buffer.element_size()
-        k = (kind, p.dtype)
+        k = (kind, p.compute_dtype)
         if current and (not fusion or k != key or (bucket_bytes > 0 and size + nbytes > bucket_bytes)):
             buckets.append(Bucket(key[0], current))
             current, size = [], 0.0
@@ -75,7 +75,7 @@ class Reducer:
 
     def reduce(self, bucket: Bucket, used: set | None = None) -> None:
         """Reduce `bucket`'s gradients; with `used`, only those parameters get one (the rest stay None)."""
-        dtype = self.reduce_dtype or bucket.params[0].dtype
+        dtype = self.reduce_dtype or bucket.params[0].compute_dtype
         keep = (lambda p: True) if used is None else used.__contains__
         if bucket.kind == "scatter":
             job = self._scatter(bucket, dtype, keep)
@@ -104,7 +104,7 @@ class Reducer:
             inp = torch.empty(S, total, dtype=dtype, device=params[0].buffer.device)
             o = 0
             for p, n in zip(params, bucket.sizes):
-                inp[:, o:o + n].copy_(p.padded_grad(p.take_grad(), dtype).view(S, n))
+                p.write_padded_grad(inp[:, o:o + n], p.take_grad())  # cast and copied straight into the bucket
                 o += n
             inp = inp.view(-1)
         out = inp.new_empty(inp.numel() // S)

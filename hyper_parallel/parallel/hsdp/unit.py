@@ -28,10 +28,13 @@ failure).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ...redistribute import collectives
+from .policy import cast_floating
 from .reduce import Reducer, make_buckets
 
 
@@ -52,7 +55,8 @@ class Unit:
         self.inflight = None  # (works, finishes, buffers, versions) of an issued gather
         self.in_backward = False  # between its pre-backward hook and its gradients: compute params installed
         self.hook_grads()
-        self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True),
+        self.refreshed = [p for p in params if not p.sharded and p.separate]  # compute copies without a gather
+        self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
                         module.register_forward_hook(self._post_forward)]
 
     def hook_grads(self) -> None:
@@ -65,6 +69,9 @@ class Unit:
         """Issue the all-gathers this unit needs (asynchronously when comm_async)."""
         if self.inflight is not None:
             return
+        for p in self.refreshed:
+            if p.needs_gather():
+                p.refresh()
         todo = [b for b in self.gather_buckets if any(p.needs_gather() for p in b)]
         if not todo:
             return
@@ -111,12 +118,12 @@ class Unit:
             p.install(p.sparam)
 
     # ---- hooks --------------------------------------------------------------------------
-    def _pre_forward(self, module, args):
+    def _pre_forward(self, module, args, kwargs):
         state = self.state
         if torch._C._current_autograd_node() is not None:  # activation checkpointing recomputes it in backward
             self.gather()
             self.install_compute()
-            return None
+            return state.cast_inputs(args, kwargs)
         if self.is_root:
             state.begin_forward()
         state.order.append(self)
@@ -126,7 +133,7 @@ class Unit:
             nxt = state.next_in_forward(self)
             if nxt is not None:
                 nxt.start_gather()
-        return None
+        return state.cast_inputs(args, kwargs)
 
     def _post_forward(self, module, args, output):
         state = self.state
@@ -136,6 +143,8 @@ class Unit:
         grad = torch.is_grad_enabled()
         if state.level == 3 and (not self.is_root or not grad):
             self.free()
+        if self.is_root and state.output_dtype is not None:
+            output = cast_floating(output, state.output_dtype)
         if grad:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
@@ -187,7 +196,7 @@ def _gather_buckets(params: list, fusion: bool, bucket_bytes: float) -> list:
     for p in params:
         nbytes = p.buffer.numel() * p.buffer.element_size()
         last = buckets[-1] if buckets else None
-        if (fusion and last and last[0].dtype == p.dtype
+        if (fusion and last and last[0].compute_dtype == p.compute_dtype
                 and (bucket_bytes <= 0 or sum(q.buffer.numel() * q.buffer.element_size() for q in last) + nbytes
                      <= bucket_bytes)):
             last.append(p)
@@ -211,7 +220,11 @@ def _gather(bucket: list, group, async_op: bool):
             p.mark_gathered()
         return work, finish
     sizes = [p.step * p.row for p in bucket]
-    inp = torch.cat([p.gather_input() for p in bucket])
+    inp = torch.empty(sum(sizes), dtype=bucket[0].compute_dtype, device=bucket[0].device)
+    o = 0
+    for p, n in zip(bucket, sizes):
+        p.write_gather_input(inp[o:o + n])  # cast and copied straight into the bucket
+        o += n
     out = inp.new_empty(S * inp.numel())
     work = collectives.all_gather_into(out, inp, group, async_op)
 
@@ -226,12 +239,35 @@ def _gather(bucket: list, group, async_op: bool):
     return work, finish
 
 
+_STATES: "weakref.WeakSet[HsdpState]" = weakref.WeakSet()
+_STEP_HOOK = None
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """Mark the shards an optimizer step updated as changed. Level1/2 gather a shard (and a compute copy is
+    refreshed) only when it changed, which its version counter tells, but torch's fused optimizer kernels
+    (`fused=True`) write the parameters without bumping it."""
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for state in list(_STATES):
+        for p in state.params:
+            if id(p.sparam) in ids:
+                p.version = None
+
+
 class HsdpState:
     """What the units of one model share: settings, the reducer, the forward order, sync flag."""
 
     def __init__(self, topo, level: int, fusion: bool, bucket_bytes: float, comm_async: bool,
-                 reduce_dtype, grad_scale: float, grad_accumulation: bool):
+                 reduce_dtype, grad_scale: float, grad_accumulation: bool, mixed_precision=None):
+        global _STEP_HOOK
+        if _STEP_HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+        _STATES.add(self)
         self.topo = topo
+        mp = mixed_precision
+        self.input_dtype = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
+        self.output_dtype = mp.output_dtype if mp is not None else None
         self.level = level
         self.fusion = fusion
         self.bucket_bytes = bucket_bytes
@@ -244,6 +280,13 @@ class HsdpState:
         self.order: list = []
         self.last_order: list = []
         self._callback_queued = False
+
+    def cast_inputs(self, args, kwargs):
+        """The unit's forward arguments with floating-point tensors in the compute dtype (FSDP2's
+        cast_forward_inputs), or None (unchanged) without mixed precision."""
+        if self.input_dtype is None:
+            return None
+        return cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
 
     # ---- forward order (prefetch targets) -------------------------------------------------
     def begin_forward(self) -> None:
