@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._library.effects import EffectType
 
 from ..redistribute.planner import redistribute_local
 from . import autograd as _bridge
@@ -68,6 +69,10 @@ def _backward(ctx, grad):
 
 
 redistribute_op.register_autograd(_backward, setup_context=_setup)
+# Ordered: the compiled graph keeps every redistribution, in the order traced (no reordering, merging or dropping by
+# graph passes), so the collectives inside run in the same order on every rank, whatever each rank's shard sizes
+# make of the rest of its graph.
+redistribute_op.register_effect(EffectType.ORDERED)
 
 
 def move(local: torch.Tensor, src, dst, grad_src, grad_dst, shape) -> torch.Tensor:
