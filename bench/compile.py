@@ -10,7 +10,9 @@ and input a DTensor replicated on a 1-rank mesh, as bench/model_overhead.py's "o
 - plain: the plain model, eager; plain_compiled: `torch.compile(model)` (whole model, the usual baseline);
   plain_layers: `torch.compile` of each decoder layer (torchtitan's per-block compile);
 - ours: the DTensor model, eager; ours_compiled: `hp.compile(model)` (per decoder layer);
-  ours_model: `hp.compile(model, units="model")` (the whole forward as one unit).
+  ours_model: `hp.compile(model, units="model")` (the whole forward as one unit);
+- ours_torch_compile (only when named in --subjects; it replaces bench/compile_explain.py): `torch.compile` applied to
+  the DTensor model directly, the graph breaks hp.compile exists to avoid.
 
 Per subject: graphs and graph breaks (plain: dynamo's counters over the warm-up; ours: the graphs hp.compile
 compiled, which are whole by construction (layers with the same graph share one), and the units it ran eagerly,
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 OPTIMIZER_KWARGS: dict = {}  # --optimizer foreach / fused: for every subject alike
 SUBJECTS = ("plain", "plain_compiled", "plain_layers", "ours", "ours_compiled", "ours_model")
+OTHER_SUBJECTS = ("ours_torch_compile",)
 
 
 def build(name: str, seed: int = 0):
@@ -83,6 +86,8 @@ class Subject:
         elif name == "plain_layers":
             for i, layer in enumerate(_layers(model)):
                 _layers(model)[i] = torch.compile(layer, dynamic=False)
+        elif name == "ours_torch_compile":
+            model = torch.compile(model, dynamic=False)
         elif name == "ours_compiled":
             hp.compile(model)
         elif name == "ours_model":
@@ -186,7 +191,7 @@ def main() -> None:
         diff = ((logits - ref_logits).abs().max().item(), (loss - ref_loss).abs().item()) if ref_logits is not None \
             else (float("nan"), float("nan"))
         row = dict(graphs=g1 - g0, breaks=b1 - b0, eager="-", compile=max(0.0, first - warm), diff=diff, notes=[])
-        if name.startswith("ours_"):  # hp.compile hands its graphs to the backend without dynamo
+        if name in ("ours_compiled", "ours_model"):  # hp.compile hands its graphs to the backend without dynamo
             from hyper_parallel.compiler import unit_report
             rep = unit_report(s.model)
             units = [m.forward._hp_unit for m in s.model.modules() if hasattr(m.__dict__.get("forward"), "_hp_unit")]
