@@ -2,36 +2,24 @@
 
 `build_model_type("llama")` takes the type's default config (`AutoConfig.for_model`), shrinks it generically
 (the config and every sub-config: 2 layers, small widths, heads and KV heads that divide, a small vocabulary,
-small images, few experts, no dropout), builds the model with the type's most capable head (image-text-to-text,
-causal LM, seq2seq LM, masked LM, sequence classification) and makes inputs from the forward signature and the
-config: token ids, masks, token types, pixel values with their grids or image sizes, video, audio features,
-and the image / video / audio placeholder tokens the model expects, counted by running its own feature
-extractor once. `load_path_model(DIR)` feeds a local checkpoint the same way, so `census --model-path` and
-`census --model-type` see the ops a real processor's inputs make the model hit.
+small images, few experts, no dropout), applies the type's entry of `tiny_overrides.OVERRIDES` where the
+generic shrinking breaks one of the config's own checks, builds the model with the type's head (see
+`heads.head_of`: every head transformers registers, the base model for a type with none) and makes inputs for
+its modalities (`model_inputs`). `load_path_model(DIR)` feeds a local checkpoint the same way, so
+`census --model-path` and `census --model-type` see the ops a real processor's inputs make the model hit.
 """
 from __future__ import annotations
 
-import inspect
-import re
 from typing import Any
 
 import torch
 
-from .models import BATCH, ModelCase, _finish
+from .heads import HEAD_BY_NAME, all_model_types, head_of, head_mappings
+from .model_inputs import TEXT_LOW, VOCAB, fed_modalities, fitting_inputs, make_inputs
+from .models import ModelCase, _finish
 
-# the heads, most capable first: a type is built with the first one it has
-HEADS = (
-    ("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
-    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-    ("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
-    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
-    ("classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
-)
-VOCAB = 256
 HIDDEN, HEADS_N, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
 LAYERS = 2
-SEQ = 8
-TEXT_LOW, TEXT_HIGH = 3, 96      # random text ids; special ids are moved above TEXT_HIGH
 
 _LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
                "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers"}
@@ -65,35 +53,6 @@ _SIDE_HEAD_DIM_KEYS = {"index_head_dim", "linear_head_dim"}
 RANK = 32
 _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
              "max_source_positions", "max_target_positions", "seq_length"}
-
-
-def _candidates() -> dict:
-    from transformers.models.auto import modeling_auto
-    return {head: getattr(modeling_auto, mapping, {}) for head, mapping in HEADS}
-
-
-def all_model_types() -> list[str]:
-    """Every model type transformers can build with one of the census heads, sorted."""
-    types: set = set()
-    for mapping in _candidates().values():
-        types.update(mapping)
-    return sorted(types)
-
-
-def head_of(model_type: str) -> tuple[str, str]:
-    """(head name, model class name) the census builds `model_type` with.
-
-    The first head of HEADS the type has, except that an encoder with both a masked-LM and a causal-LM
-    head (BERT's `BertLMHeadModel` wants `is_decoder=True`) is built as the masked LM it was trained as."""
-    found = {head: mapping[model_type] for head, mapping in _candidates().items() if mapping.get(model_type)}
-    if not found:
-        raise KeyError(f"model type {model_type!r} has none of the census heads ({', '.join(h for h, _ in HEADS)}); "
-                       f"`hyper-parallel census --model-type all` lists those it covers")
-    head = next(iter(found))
-    if head == "causal-lm" and "masked-lm" in found:
-        head = "masked-lm"
-    cls = found[head]
-    return head, cls if isinstance(cls, str) else cls[0]
 
 
 # ---- the config, shrunk -------------------------------------------------------------------------
@@ -273,301 +232,30 @@ def tiny_config(model_type: str):
         cfg.decoder_start_token_id = cfg.pad_token_id  # labels are shifted right from it in training
     return cfg
 
-
-# ---- inputs ---------------------------------------------------------------------------------------
-def _forward_params(model) -> set:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _sub(cfg, *names):
-    for n in names:
-        sub = getattr(cfg, n, None)
-        if sub is not None and not isinstance(sub, (int, float, str, bool, list, dict)):
-            return sub
-    return None
-
-
-def _first(cfg, names, default=None):
-    for n in names:
-        v = getattr(cfg, n, None) if cfg is not None else None
-        if v is not None:
-            return v
-    return default
-
-
-def _token_id(cfg, kind: str):
-    return _first(cfg, (f"{kind}_token_id", f"{kind}_token_index", f"{kind}_token"))
-
-
-def _vocab(cfg) -> int:
-    text = _sub(cfg, "text_config", "decoder", "language_config", "llm_config") or cfg
-    return int(_first(text, ("vocab_size",), _first(cfg, ("vocab_size",), VOCAB)))
-
-
-def _image_count_from_error(err: BaseException) -> int | None:
-    m = re.search(r"features[:\s]*(\d+)", str(err))
-    return int(m.group(1)) if m else None
-
-
-def _count_features(features, batch: int) -> int | None:
-    """Placeholder tokens per sample from what a model's get_*_features returned."""
-    if hasattr(features, "pooler_output") and features.pooler_output is not None:
-        features = features.pooler_output
-    elif hasattr(features, "last_hidden_state") and not isinstance(features, torch.Tensor):
-        features = features.last_hidden_state
-    if isinstance(features, (list, tuple)):
-        if features and all(isinstance(f, torch.Tensor) for f in features):
-            rows = sum(f.shape[0] if f.ndim <= 2 else f.shape[0] * f.shape[1] for f in features)
-            return rows // batch
-        return None
-    if isinstance(features, torch.Tensor):
-        if features.ndim >= 3:
-            return features.shape[0] * features.shape[1] // batch
-        if features.ndim == 2:
-            return features.shape[0] // batch
-    return None
-
-
-def _grid_pixels(vcfg, gen, grids) -> torch.Tensor:
-    patch = int(_first(vcfg, ("patch_size",), 4))
-    tps = int(_first(vcfg, ("temporal_patch_size",), 1))
-    chans = int(_first(vcfg, ("in_channels", "in_chans", "num_channels"), 3))
-    n = sum(t * h * w for t, h, w in grids)
-    return torch.randn(n, chans * tps * patch * patch, generator=gen)
-
-
-def _image_inputs(model, cfg, params: set, gen, batch: int) -> dict:
-    """pixel_values (and grids / sizes) for one image per sample, in the layout the model's forward takes."""
-    vcfg = _sub(cfg, "vision_config", "vision_tower_config", "visual", "vision_encoder_config") or cfg
-    out: dict = {}
-    if "image_grid_thw" in params:
-        merge = int(_first(vcfg, ("spatial_merge_size", "merge_size"), 2))
-        t = 1
-        grid = (t, 2 * merge, 2 * merge)
-        out["pixel_values"] = _grid_pixels(vcfg, gen, [grid] * batch)
-        out["image_grid_thw"] = torch.tensor([grid] * batch)
-        return out
-    size = _first(vcfg, ("image_size", "img_size"), 32)
-    if isinstance(size, (list, tuple)):
-        h, w = int(size[0]), int(size[-1])
-    elif isinstance(size, dict):
-        h, w = int(size.get("height", 32)), int(size.get("width", 32))
-    else:
-        h = w = int(size)
-    chans = int(_first(vcfg, ("num_channels", "in_channels", "in_chans"), 3))
-    out["pixel_values"] = torch.randn(batch, chans, h, w, generator=gen)
-    if "image_sizes" in params:
-        out["image_sizes"] = torch.tensor([[h, w]] * batch)
-    return out
-
-
-def _feature_count(model, kind: str, inputs: dict, batch: int) -> int | None:
-    fn = None
-    for owner in (model, getattr(model, "model", None)):
-        fn = getattr(owner, f"get_{kind}_features", None) if owner is not None else None
-        if fn is not None:
-            break
-    if fn is None:
-        return None
-    params = set(inspect.signature(fn).parameters)
-    kwargs = {k: v for k, v in inputs.items() if k in params}
-    with torch.no_grad():
-        try:
-            return _count_features(fn(**kwargs), batch)
-        except Exception:  # the count then comes from the forward's own mismatch message
-            return None
-
-
-def _audio_inputs(cfg, params: set, gen, batch: int) -> dict:
-    acfg = _sub(cfg, "audio_config", "audio_encoder_config") or cfg
-    mels = int(_first(acfg, ("num_mel_bins", "n_mels", "feature_size", "input_feat_size"), 16))
-    frames = 2 * int(_first(acfg, ("max_source_positions",), 32))
-    frames = min(frames, 64)
-    out = {"input_features": torch.randn(batch, mels, frames, generator=gen)}
-    for mask in ("feature_attention_mask", "input_features_mask", "audio_attention_mask"):
-        if mask in params:
-            out[mask] = torch.ones(batch, frames, dtype=torch.long)
-            break
-    return out
-
-
-def _row(text: int, placeholders: list, gen) -> list:
-    """Token ids: a little text, then each placeholder run wrapped in its start/end ids, then text."""
-    ids = torch.randint(TEXT_LOW, TEXT_HIGH, (text,), generator=gen).tolist()
-    row = ids[: text // 2]
-    for start, token, n, end in placeholders:
-        row += ([start] if start is not None else []) + [token] * n + ([end] if end is not None else [])
-    return row + ids[text // 2:]
-
-
-# the input variants tried in order: every modality first, then fewer, until the plain forward accepts one
-VARIANTS = (
-    {"image", "video", "audio", "image_sizes"},
-    {"image", "video", "audio"},
-    {"image", "video_frames", "audio"},
-    {"image", "audio"},
-    {"image"},
-    {"audio"},
-    set(),
-)
-
-
-def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
-                feed: set | None = None) -> tuple[dict, dict]:
-    """(inputs, labels) for `model`: every modality its forward takes and its config declares.
-
-    `feed` limits the modalities ("image", "image_sizes", "video" or "video_frames" (one placeholder run per
-    frame, as Qwen3-VL's processor writes them), "audio"); None feeds all."""
-    feed = VARIANTS[0] if feed is None else feed
-    gen = torch.Generator().manual_seed(seed)
-    params = _forward_params(model)
-    vocab = _vocab(cfg)
-    high = min(TEXT_HIGH, vocab)
-    inputs: dict = {}
-    placeholders: list = []
-    image_id, video_id, audio_id = _token_id(cfg, "image"), _token_id(cfg, "video"), _token_id(cfg, "audio")
-    start, end = _token_id(cfg, "vision_start"), _token_id(cfg, "vision_end")
-    if "image" in feed and "pixel_values" in params:
-        image = _image_inputs(model, cfg, params, gen, batch)
-        if "image_sizes" not in feed:
-            image.pop("image_sizes", None)
-        inputs.update(image)
-        if image_id is not None:
-            n = _feature_count(model, "image", image, batch)
-            placeholders.append([start, image_id, n or 1, end])
-    video_feed = "video" in feed or "video_frames" in feed
-    if video_feed and "pixel_values_videos" in params and "video_grid_thw" in params and video_id is not None:
-        vcfg = _sub(cfg, "vision_config") or cfg
-        merge = int(_first(vcfg, ("spatial_merge_size",), 2))
-        frames = 2
-        grid = (frames, 2 * merge, 2 * merge)
-        video = {"pixel_values_videos": _grid_pixels(vcfg, gen, [grid] * batch),
-                 "video_grid_thw": torch.tensor([grid] * batch)}
-        inputs.update(video)
-        n = _feature_count(model, "video", video, batch) or frames * 4
-        if "video_frames" in feed:
-            placeholders += [[start, video_id, n // frames, end] for _ in range(frames)]
-        else:
-            placeholders.append([start, video_id, n, end])
-    if "audio" in feed and "input_features" in params:
-        audio = _audio_inputs(cfg, params, gen, batch)
-        inputs.update(audio)
-        if audio_id is not None:
-            n = _feature_count(model, "audio", audio, batch)
-            placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
-    if "input_ids" in params or not inputs:
-        ids = torch.tensor([_row(SEQ, placeholders, gen)] * batch)
-        text = ids < high
-        ids[text] = torch.randint(TEXT_LOW, high, (int(text.sum()),), generator=gen)
-        inputs["input_ids"] = ids
-        if "attention_mask" in params:
-            inputs["attention_mask"] = torch.ones_like(ids)
-        if "token_type_ids" in params:
-            inputs["token_type_ids"] = (ids == image_id).long() if image_id is not None else torch.zeros_like(ids)
-        if "mm_token_type_ids" in params:
-            types = torch.zeros_like(ids)
-            for kind, token in ((1, image_id), (2, video_id), (3, audio_id)):
-                if token is not None:
-                    types[ids == token] = kind
-            inputs["mm_token_type_ids"] = types
-    return inputs, _labels(inputs, head, gen, batch, high)
-
-
-def fed_modalities(inputs: dict) -> list[str]:
-    """The modalities an input dict feeds, for the report."""
-    out = ["text"] if "input_ids" in inputs else []
-    out += [m for m, key in (("image", "pixel_values"), ("video", "pixel_values_videos"),
-                             ("audio", "input_features")) if key in inputs]
-    return out
-
-
-def _labels(inputs: dict, head: str, gen, batch: int, high: int) -> dict:
-    ids = inputs.get("input_ids")
-    if head == "classification":
-        return {"labels": torch.randint(0, 2, (batch,), generator=gen)}
-    if head == "seq2seq-lm":
-        return {"labels": torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)}
-    if ids is None:
-        return {}
-    if head == "masked-lm":
-        labels = torch.full_like(ids, -100)
-        labels[:, 2::3] = ids[:, 2::3]
-        return {"labels": labels}
-    labels = ids.clone()
-    labels[ids >= high] = -100
-    return {"labels": labels}
-
-
-def _plain_forward_error(model, inputs: dict) -> Exception | None:
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    except Exception as e:  # the caller tries the next input variant
-        return e
-    return None
-
-
-def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> tuple[dict, dict]:
-    """The richest input variant the model's plain forward accepts (the last one if none is accepted).
-
-    A forward that says how many image features it made ("... tokens: X, features: Y") gets a prompt with
-    that many placeholders."""
-    inputs, labels = make_inputs(model, cfg, head, seed, batch)
-    if head not in ("image-text-to-text", "seq2seq-lm") or not any(k != "input_ids" and k in inputs for k in (
-            "pixel_values", "pixel_values_videos", "input_features")):
-        return inputs, labels
-    tried: list = []
-    for feed in VARIANTS:
-        inputs, labels = make_inputs(model, cfg, head, seed, batch, feed)
-        key = tuple(sorted(inputs))
-        if key in tried:
-            continue
-        tried.append(key)
-        err = _plain_forward_error(model, inputs)
-        if err is None:
-            return inputs, labels
-        n = _image_count_from_error(err) if "token" in str(err) and "features" in str(err) else None
-        image_id = _token_id(cfg, "image")
-        if n and image_id is not None and "input_ids" in inputs:
-            gen = torch.Generator().manual_seed(seed + 1)
-            ids = torch.tensor([_row(SEQ, [[_token_id(cfg, "vision_start"), image_id, max(1, n // batch),
-                                            _token_id(cfg, "vision_end")]], gen)] * batch)
-            fixed = dict(inputs, input_ids=ids)
-            for k in ("attention_mask",):
-                if k in fixed:
-                    fixed[k] = torch.ones_like(ids)
-            for k in ("token_type_ids", "mm_token_type_ids"):
-                if k in fixed:
-                    fixed[k] = (ids == image_id).long()
-            fixed = {k: v for k, v in fixed.items() if k not in ("pixel_values_videos", "video_grid_thw")}
-            if _plain_forward_error(model, fixed) is None:
-                return fixed, _labels(fixed, head, gen, batch, min(TEXT_HIGH, _vocab(cfg)))
-    return inputs, labels
-
-
-def _model_class(head: str, cls_name: str):
+def _model_class(cls_name: str):
     import transformers
     return getattr(transformers, cls_name)
 
 
-def build_model_type(model_type: str, seed: int = 0) -> ModelCase:
-    """A tiny random model of `model_type` with its inputs and labels; the same seed gives the same ones."""
-    head, cls_name = head_of(model_type)
+def build_model_type(model_type: str, seed: int = 0, head: str | None = None) -> ModelCase:
+    """A tiny random model of `model_type` (with `head`, default the type's own: see `heads.head_of`), its
+    inputs and labels; the same seed gives the same ones."""
+    head, cls_name = head_of(model_type, head)
     cfg = tiny_config(model_type)
-    cls = _model_class(head, cls_name)
+    cls = _model_class(cls_name)
     torch.manual_seed(seed)
     try:
         model = cls._from_config(cfg, attn_implementation="sdpa")
     except (ValueError, ImportError):
         torch.manual_seed(seed)
         model = cls._from_config(cfg, attn_implementation="eager")
-    model = _ready(model)
-    inputs, labels = fitting_inputs(model, model.config, head, seed)
-    can_generate = head in ("image-text-to-text", "causal-lm", "seq2seq-lm") and _can_generate(model)
-    return ModelCase(model_type, model, inputs, labels=labels, can_generate=can_generate)
+    return _case(model_type, _ready(model), head, seed)
+
+
+def _case(name: str, model, head: str, seed: int) -> ModelCase:
+    inputs, labels, note = fitting_inputs(model, model.config, head, seed)
+    can_generate = HEAD_BY_NAME[head].generates and _can_generate(model)
+    return ModelCase(name, model, inputs, labels=labels, can_generate=can_generate, head=head, note=note)
 
 
 def _ready(model):
@@ -604,23 +292,13 @@ def load_path_model(path: str, seed: int = 0) -> ModelCase:
     except ImportError:  # an older hub without the switch: its bars stay
         pass
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    mappings = _candidates()
+    try:
+        head, cls_name = head_of(cfg.model_type)
+    except KeyError as e:
+        raise ValueError(f"census --model-path {path!r}: {e.args[0]}") from None
     torch.manual_seed(seed)
-    model = None
-    for head, mapping in mappings.items():
-        cls_name = mapping.get(cfg.model_type)
-        if not cls_name:
-            continue
-        cls = _model_class(head, cls_name if isinstance(cls_name, str) else cls_name[0])
-        model = cls.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
-        break
-    if model is None:
-        raise ValueError(f"census --model-path {path!r}: model type {cfg.model_type!r} has none of the census "
-                         f"heads ({', '.join(h for h, _ in HEADS)})")
-    model = _ready(model)
-    inputs, labels = fitting_inputs(model, model.config, head, seed)
-    can_generate = head in ("image-text-to-text", "causal-lm", "seq2seq-lm") and _can_generate(model)
-    return ModelCase(str(path), model, inputs, labels=labels, can_generate=can_generate)
+    model = _model_class(cls_name).from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
+    return _case(str(path), _ready(model), head, seed)
 
 
 def _config_classes(config_cls, seen: set) -> list:
@@ -653,4 +331,4 @@ def has_tp_plan(model_type: str) -> bool:
 
 
 __all__ = ["all_model_types", "head_of", "tiny_config", "make_inputs", "build_model_type", "load_path_model",
-           "has_tp_plan", "shrink_config_dict"]
+           "has_tp_plan", "shrink_config_dict", "fed_modalities", "head_mappings"]

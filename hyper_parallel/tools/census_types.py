@@ -21,8 +21,9 @@ from typing import Callable, Iterable
 
 from .census import MODES, RunReport, _modes, _run_one, replicated
 
-STATUSES = ("ok", "missing ops", "not equal", "failed", "plain failed", "not built", "timeout", "no tp plan")
-SETTLED = ("ok", "plain failed", "not built", "no tp plan")  # statuses a rerun leaves alone: fixes cannot change them
+SKIPS = ("no tp plan", "not applicable")  # types a scenario does not run, and says why
+STATUSES = ("ok", "missing ops", "not equal", "failed", "plain failed", "not built", "timeout") + SKIPS
+SETTLED = ("ok", "plain failed", "not built") + SKIPS  # statuses a rerun leaves alone: fixes cannot change them
 
 
 @dataclass
@@ -39,6 +40,7 @@ class TypeResult:
     timed_out: bool = False
     skipped: str | None = None                 # why the type was not run (e.g. no tp plan for --tp)
     fed: list = field(default_factory=list)    # the modalities its inputs feed (text, image, video, audio)
+    note: str = ""                             # what the builder left out (e.g. a head loss that fails plain)
 
     @property
     def plain_ok(self) -> bool:
@@ -88,7 +90,9 @@ class TypeResult:
 
     @property
     def why(self) -> str:
-        """The one line that says what went wrong (empty when ok)."""
+        """The one line that says what went wrong (empty when ok), or why a scenario does not apply."""
+        if self.skipped:
+            return self.note
         if self.build_error:
             return _last_line(self.build_error)
         for r in self.runs:  # a plain run that failed says why the type is not counted
@@ -116,10 +120,11 @@ class TypeResult:
                    build_error=(d.get("why") or "the type was not built") if status == "not built" else None,
                    runs=runs, seconds=float(d.get("seconds") or 0.0), cpu_seconds=d.get("cpu_seconds"),
                    timed_out=status == "timeout",
-                   skipped=status if status == "no tp plan" else None, fed=list(d.get("fed") or []))
+                   skipped=status if status in SKIPS else None, fed=list(d.get("fed") or []),
+                   note=d.get("note") or "")
 
     def to_dict(self) -> dict:
-        return {"head": self.head, "fed": self.fed, "built": self.built, "plain_ok": self.plain_ok, "status": self.status,
+        return {"head": self.head, "fed": self.fed, "note": self.note, "built": self.built, "plain_ok": self.plain_ok, "status": self.status,
                 "ops": dict(sorted(self.ops.items())), "missing": dict(sorted(self.missing.items())),
                 "equal": self.equal, "seconds": round(self.seconds, 2),
                 "cpu_seconds": None if self.cpu_seconds is None else round(self.cpu_seconds, 2), "why": self.why,
@@ -302,13 +307,14 @@ def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, r
                 conn.send(("build_error", head, traceback.format_exc()))
             return
         if rank == 0:
-            conn.send(("built", head, fed_modalities(template.inputs)))
+            conn.send(("built", head, (fed_modalities(template.inputs), template.note)))
 
         def build():  # a copy of the one built model: building is slower than copying
             return copy.deepcopy(template)
 
         for md in modes:
-            r = _run_one(model_type, md, build, max_new_tokens, wrap_input, wrap_param, record, shard_model)
+            r = _run_one(model_type, md, build, max_new_tokens, wrap_input, wrap_param, record, shard_model,
+                         plain_only=scenario == "plain")
             if rank == 0:
                 conn.send(("run", md, asdict(r)))
     finally:
@@ -397,7 +403,8 @@ def _drain(job: _Job) -> bool:
         while job.conn.poll():
             kind, a, b = job.conn.recv()
             if kind == "built":
-                job.result.built, job.result.head, job.result.fed = True, a, b
+                job.result.built, job.result.head = True, a
+                job.result.fed, job.result.note = b
             elif kind == "build_error":
                 job.result.head, job.result.build_error = a, b
             elif kind == "run":
@@ -427,7 +434,7 @@ def _finish_job(job: _Job, timed_out: bool) -> TypeResult:
 
 
 def _head_name(model_type: str) -> str:
-    from .auto_models import head_of
+    from .heads import head_of
     try:
         return head_of(model_type)[0]
     except KeyError:
@@ -448,7 +455,7 @@ def _preload() -> None:
 
 
 def resolve_types(types: Iterable[str]) -> list[str]:
-    from .auto_models import all_model_types
+    from .heads import all_model_types
     out: list = []
     for t in types:
         out.extend(all_model_types() if t == "all" else [t])
@@ -457,20 +464,21 @@ def resolve_types(types: Iterable[str]) -> list[str]:
 
 def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, dp: int = 0, tp: int = 0,
                     timeout: float = 300.0, max_new_tokens: int = 3, seed: int = 0, record: bool = True,
-                    progress: Callable[[str], None] | None = None) -> TypeCensus:
+                    progress: Callable[[str], None] | None = None, plain: bool = False) -> TypeCensus:
     """Run the census on transformers model types ("all" for every one with a census head).
 
     Single-card by default (one process per type, inputs and parameters replicated on the census layout);
     `dp=N`: N gloo processes per type with the batch split; `tp=N`: N gloo processes per type with
     `shard(model, "auto")` (types whose config declares no base_model_tp_plan are listed as "no tp plan").
     `jobs` types run at once; a type that has used `timeout` seconds of CPU without finishing is killed
-    ("timeout"; see `_over_time` for the wall-time bounds that catch hangs).
+    ("timeout"; see `_over_time` for the wall-time bounds that catch hangs). `plain`: build each type and run
+    it on plain tensors only (a check of the tiny configs and inputs; scenario "plain").
     """
     _preload()
     from .auto_models import has_tp_plan
     if dp and tp:
         raise ValueError("census: give --dp or --tp, not both")
-    scenario, world = ("dp", dp) if dp else (("tp", tp) if tp else ("single", 1))
+    scenario, world = ("dp", dp) if dp else (("tp", tp) if tp else ("plain" if plain else "single", 1))
     names = resolve_types(types)
     modes = _modes(mode)
     census = TypeCensus(scenario=f"{scenario}" + (f" {world}" if world > 1 else ""))
