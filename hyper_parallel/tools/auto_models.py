@@ -25,7 +25,8 @@ _LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encode
                "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers"}
 _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim", "projection_dim",
                 "out_hidden_size", "output_dim", "hidden_dim", "model_dim", "embedding_size", "proj_dim",
-                "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size"}
+                "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
+                "projection_size"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
@@ -133,12 +134,35 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     for key in ("first_k_dense_replace",):
         if isinstance(d.get(key), int):
             d[key] = min(d[key], 1)
-    # vision sizes: a 4 x 4 patch grid of 4-pixel patches (8 x 8 where a merge of 2 needs even sizes)
-    if isinstance(d.get("patch_size"), int) and isinstance(d.get("image_size"), int):
+    # vision sizes: an 8 x 8 patch grid of 4-pixel patches (even sizes for a merge of 2); images of at most
+    # 64 pixels a side for a convolutional model (no patches)
+    if isinstance(d.get("patch_size"), int):
         d["patch_size"] = min(d["patch_size"], 4)
-        d["image_size"] = d["patch_size"] * 8
-    elif isinstance(d.get("patch_size"), int):
-        d["patch_size"] = min(d["patch_size"], 4)
+        for key in ("image_size", "img_size"):
+            if isinstance(d.get(key), int) or _is_pair(d.get(key)):
+                d[key] = d["patch_size"] * 8 if isinstance(d[key], int) else [d["patch_size"] * 8] * 2
+    else:
+        for key in ("image_size", "img_size"):
+            if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+                d[key] = min(d[key], 64)
+            elif _is_pair(d.get(key)):
+                d[key] = [min(v, 64) for v in d[key]]
+    # a state-space mixer's heads fill its expanded width: heads * head_dim == expand * hidden_size
+    for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
+        width = d.get(expand, 0) * d.get("hidden_size", 0) if isinstance(d.get(expand), int) else 0
+        if width and isinstance(d.get(heads), int) and isinstance(d.get(dim), int) and width % d[dim] == 0:
+            d[heads] = width // d[dim]
+    # randomness a training step would draw differently in the plain and the DTensor run: off
+    for key in ("mask_time_prob", "mask_feature_prob"):
+        if isinstance(d.get(key), float):
+            d[key] = 0.0
+    # backbones transformers builds itself, not timm's (not installed, and not what the census is about)
+    for key in ("use_timm_backbone", "use_pretrained_backbone"):
+        if d.get(key) is True:
+            d[key] = False
+    # a speech encoder takes 2 * max_source_positions mel frames: 64 of them
+    if isinstance(d.get("num_mel_bins"), int) and isinstance(d.get("max_source_positions"), int):
+        d["max_source_positions"] = min(d["max_source_positions"], 32)
     # lists with one entry per layer: cut to the new layer count, keeping one layer of each kind where they
     # differ (a hybrid model's linear and full attention layers); dicts keyed by layer index: the kept layers
     if old_layers and old_layers > LAYERS:
@@ -155,7 +179,8 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     for key, value in list(d.items()):
         if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             d[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
-    for key in ("deepstack_visual_indexes", "vision_feature_layers", "out_indices", "fullatt_block_indexes"):
+    _fit_stages(d, old_layers)
+    for key in ("deepstack_visual_indexes", "vision_feature_layers", "fullatt_block_indexes"):
         if isinstance(d.get(key), list):
             d[key] = [i for i in d[key] if isinstance(i, int) and -LAYERS <= i < LAYERS] or [LAYERS - 1]
     if isinstance(d.get("vision_feature_layer"), int) and not -LAYERS <= d["vision_feature_layer"] < LAYERS:
@@ -164,12 +189,36 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
         HIDDEN // HEADS_N if heads_old else HEAD_DIM)
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(d.get(key), dict):
-            d[key] = _shrink_rope(d[key], head_dim_old, head_dim_new)
+            d[key] = _shrink_rope(d[key], head_dim_old, _rotary_dim(d, d[key], head_dim_new))
     if "sliding_window" in d and isinstance(d["sliding_window"], int):
         d["sliding_window"] = min(d["sliding_window"], 4)
     if "tie_word_embeddings" in d and depth == 0:
         d["tie_word_embeddings"] = False
     return d
+
+
+def _is_pair(value) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)
+
+
+def _fit_stages(d: dict, old_layers: int | None) -> None:
+    """A backbone's outputs (`out_features` / `out_indices`) name stages. Where the stages are the layers
+    (a ViT backbone: stage_names = stem + one per layer), the shrunk model keeps as many layers as outputs
+    (at least LAYERS) and outputs its last ones; where they are not (a ConvNeXt's stages), they stay."""
+    names = d.get("stage_names")
+    feats, idx = d.get("out_features"), d.get("out_indices")
+    if not isinstance(names, list) or not (isinstance(feats, list) or isinstance(idx, list)):
+        return
+    old = [i % len(names) for i in idx] if isinstance(idx, list) else [names.index(f) for f in feats if f in names]
+    if old_layers and len(names) == old_layers + 1 and old:
+        layers = max(LAYERS, len(old))
+        for key in _LAYER_KEYS:
+            if d.get(key) == min(old_layers, LAYERS):
+                d[key] = layers
+        old = list(range(layers - len(old) + 1, layers + 1))
+    d["out_indices"] = old
+    d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]
+    d.pop("stage_names")
 
 
 def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
@@ -188,11 +237,14 @@ def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
     return d
 
 
-def _modeling_source(model_type: str) -> str:
+def _modeling_source(config_cls) -> str:
+    """The source of the modeling module beside a config class's module (empty if there is none)."""
     import importlib.util
-    name = model_type.replace("-", "_")
+    module = config_cls.__module__
+    if ".configuration_" not in module:
+        return ""
     try:
-        spec = importlib.util.find_spec(f"transformers.models.{name}.modeling_{name}")
+        spec = importlib.util.find_spec(module.replace(".configuration_", ".modeling_"))
     except ImportError:
         return ""
     if spec is None or not spec.origin:
@@ -201,17 +253,28 @@ def _modeling_source(model_type: str) -> str:
         return f.read()
 
 
-def _default_mrope(d: dict, model_type: str) -> None:
-    """Multimodal rotary code with a built-in section default ([16, 24, 24], for head_dim 128) gets one
+def _default_mrope(d: dict, config_cls) -> None:
+    """Multimodal rotary code with a built-in section default (e.g. [16, 24, 24], for head_dim 128) gets one
     that fits the tiny head_dim."""
-    subs = [d] + [v for v in d.values() if isinstance(v, dict) and "model_type" in v]
-    if "mrope_section" not in _modeling_source(model_type):
+    import re
+    source = _modeling_source(config_cls)
+    if "mrope_section" not in source:
         return
+    found = re.search(r"mrope_section\W+\[(\d+),\s*(\d+),\s*(\d+)\]", source)
+    default = [int(v) for v in found.groups()] if found else [16, 24, 24]
+    subs = [d] + [v for v in d.values() if isinstance(v, dict) and "model_type" in v]
     for sub in subs:
         rope = sub.get("rope_parameters")
         if isinstance(rope, dict) and "mrope_section" not in rope and any(k in sub for k in _HEAD_KEYS):
             head_dim = sub.get("head_dim") if isinstance(sub.get("head_dim"), int) else HIDDEN // HEADS_N
-            sub["rope_parameters"] = _shrink_rope(dict(rope, mrope_section=[16, 24, 24]), None, head_dim)
+            sub["rope_parameters"] = _shrink_rope(dict(rope, mrope_section=default), None,
+                                                  _rotary_dim(sub, rope, head_dim))
+
+
+def _rotary_dim(d: dict, rope: dict, head_dim: int) -> int:
+    """The rotated part of a head: head_dim times the partial rotary factor (of the rope dict or the config)."""
+    factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    return int(head_dim * factor) if isinstance(factor, float) and 0 < factor < 1 else head_dim
 
 
 def tiny_config(model_type: str):
@@ -220,7 +283,7 @@ def tiny_config(model_type: str):
     base = AutoConfig.for_model(model_type)
     d = shrink_config_dict(base.to_dict())
     d = _remap_special_ids(d, VOCAB, {})
-    _default_mrope(d, model_type)
+    _default_mrope(d, type(base))
     for k in ("transformers_version", "architectures", "_name_or_path"):
         d.pop(k, None)
     d.pop("model_type", None)
