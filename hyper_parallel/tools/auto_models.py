@@ -26,7 +26,7 @@ _LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encode
 _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim", "projection_dim",
                 "out_hidden_size", "output_dim", "hidden_dim", "model_dim", "embedding_size", "proj_dim",
                 "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
-                "projection_size"}
+                "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
@@ -36,7 +36,7 @@ _KV_KEYS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_gr
             "encoder_num_key_value_heads", "decoder_num_key_value_heads"}
 _HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_dim", "kv_channels", "qk_head_dim", "v_head_dim",
                   "head_size", "qk_rope_head_dim", "qk_nope_head_dim", "linear_key_head_dim",
-                  "linear_value_head_dim", "mamba_head_dim", "d_head"}
+                  "linear_value_head_dim", "mamba_head_dim", "d_head", "rotary_dim", "mamba_headdim"}
 _EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total"}
 _TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts", "moe_k", "router_topk"}
 _VOCAB_KEYS = {"vocab_size", "text_vocab_size"}
@@ -124,6 +124,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
                                          "hidden_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if isinstance(value, float):
                 d[key] = 0.0
+    _fill_unset(d, heads_old)
     kv_key = next((k for k in _KV_KEYS if isinstance(d.get(k), int)), None)
     if kv_key is not None and heads_old:
         kv_old = d[kv_key]
@@ -195,6 +196,24 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     if "tie_word_embeddings" in d and depth == 0:
         d["tie_word_embeddings"] = False
     return d
+
+
+def _fill_unset(d: dict, heads: int | None) -> None:
+    """Sizes this transformers leaves unset (None) in a default config that its model code reads as numbers
+    (a checkpoint's config always sets them): filled with the tiny sizes. Only these: elsewhere None often
+    means "off" (DeepSeek's q_lora_rank)."""
+    if heads:
+        if "head_dim" in d and d["head_dim"] is None:
+            d["head_dim"] = HIDDEN // HEADS_N
+        for key in _KV_KEYS:
+            if key in d and d[key] is None:
+                d[key] = heads
+    if "vocab_size" in d and d["vocab_size"] is None:
+        d["vocab_size"] = VOCAB
+    if any(isinstance(d.get(k), int) for k in _EXPERT_KEYS):
+        for key, size in (("num_experts_per_tok", 2), ("moe_intermediate_size", INTERMEDIATE)):
+            if key in d and d[key] is None:
+                d[key] = size
 
 
 def _is_pair(value) -> bool:

@@ -278,6 +278,8 @@ def _train_step(model: nn.Module, inputs: dict, labels: dict):
     loss = getattr(out, "loss", None)
     if loss is None:  # a head that computes no loss from labels: train on a sum of its outputs
         loss = output_loss(out)
+    elif loss.ndim:  # a loss per sample (an audio codec's commitment loss): their mean
+        loss = loss.float().mean()
     loss.backward()
     grads = {n: (None if p.grad is None else full(p.grad).detach().clone()) for n, p in model.named_parameters()}
     opt.step()

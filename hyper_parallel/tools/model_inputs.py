@@ -141,16 +141,18 @@ def _video_frames(model, cfg, params: set, gen, batch: int) -> dict:
     return {"pixel_values": torch.randn(batch, frames, *image.shape[1:], generator=gen)}
 
 
-def _audio_features(cfg, params: set, gen, batch: int) -> dict:
+def _audio_features(cfg, params: set, gen, batch: int, time_first: bool = False) -> dict:
     """input_features: (batch, mel bins, frames) as Whisper's encoder takes them, or (batch, frames, features)
-    where the config counts features per frame (Speech2Text's input_feat_per_channel)."""
+    where the config counts features per frame (Speech2Text's input_feat_per_channel) or `time_first` says
+    so (a conformer's)."""
     acfg = _sub(cfg, "audio_config", "audio_encoder_config", "encoder_config", "encoder") or cfg
     if isinstance(_first(acfg, ("input_feat_per_channel",)), int):
         feats = int(acfg.input_feat_per_channel) * int(_first(acfg, ("input_channels",), 1))
         return {"input_features": torch.randn(batch, 32, feats, generator=gen)}
     mels = int(_first(acfg, ("num_mel_bins", "n_mels", "feature_size", "input_feat_size", "num_mels"), 16))
     frames = min(2 * int(_first(acfg, ("max_source_positions",), 32)), 64)
-    out = {"input_features": torch.randn(batch, mels, frames, generator=gen)}
+    shape = (batch, frames, mels) if time_first else (batch, mels, frames)
+    out = {"input_features": torch.randn(*shape, generator=gen)}
     for mask in ("feature_attention_mask", "input_features_mask", "audio_attention_mask"):
         if mask in params:
             out[mask] = torch.ones(batch, frames, dtype=torch.long)
@@ -158,13 +160,13 @@ def _audio_features(cfg, params: set, gen, batch: int) -> dict:
     return out
 
 
-def _audio_values(cfg, gen, batch: int) -> dict:
-    """input_values: a waveform (batch, samples); a codec's (batch, channels, samples); or a spectrogram
-    (batch, frames, mel bins) where the config says how many frames it takes (the Audio Spectrogram
-    Transformer's max_length)."""
+def _audio_values(cfg, gen, batch: int, channels: int | None = None) -> dict:
+    """input_values: a waveform (batch, samples); a codec's (batch, channels, samples), with the config's
+    audio_channels or `channels`; or a spectrogram (batch, frames, mel bins) where the config says how many
+    frames it takes (the Audio Spectrogram Transformer's max_length)."""
     if isinstance(getattr(cfg, "max_length", None), int) and isinstance(getattr(cfg, "num_mel_bins", None), int):
         return {"input_values": torch.randn(batch, cfg.max_length, cfg.num_mel_bins, generator=gen)}
-    channels = getattr(cfg, "audio_channels", None)
+    channels = getattr(cfg, "audio_channels", None) if channels is None else channels
     if isinstance(channels, int):
         return {"input_values": torch.randn(batch, channels, WAVE, generator=gen)}
     return {"input_values": torch.randn(batch, WAVE, generator=gen)}
@@ -197,13 +199,19 @@ VARIANTS = (
 )
 
 
+# where the config does not say how a modality is laid out, the layouts tried in turn (see fitting_inputs)
+LAYOUTS = ({}, {"audio_time_first": True}, {"wave_channels": 1})
+
+
 def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
-                feed: set | None = None) -> tuple[dict, dict]:
+                feed: set | None = None, layout: dict | None = None) -> tuple[dict, dict]:
     """(inputs, labels) for `model`: every modality its forward takes and its config declares.
 
     `feed` limits the modalities ("image", "image_sizes", "video" or "video_frames" (one placeholder run per
-    frame, as Qwen3-VL's processor writes them), "audio"); None feeds all."""
+    frame, as Qwen3-VL's processor writes them), "audio"); None feeds all. `layout` (one of LAYOUTS) says how
+    audio is laid out where the config does not."""
     feed = VARIANTS[0] if feed is None else feed
+    layout = layout or {}
     gen = torch.Generator().manual_seed(seed)
     params = _forward_params(model)
     vocab = _vocab(cfg)
@@ -239,14 +247,20 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             placeholders += [[start, video_id, n // frames, end] for _ in range(frames)]
         else:
             placeholders.append([start, video_id, n, end])
+    if "grid_thw" in params:  # a vision tower on its own: flattened patches and their grid
+        merge = int(_first(cfg, ("spatial_merge_size", "merge_size"), 2))
+        grid = (1, 2 * merge, 2 * merge)
+        key = "hidden_states" if "hidden_states" in params else "pixel_values"
+        inputs[key] = _grid_pixels(cfg, gen, [grid] * batch)
+        inputs["grid_thw"] = torch.tensor([grid] * batch)
     if "audio" in feed and "input_features" in params:
-        audio = _audio_features(cfg, params, gen, batch)
+        audio = _audio_features(cfg, params, gen, batch, bool(layout.get("audio_time_first")))
         inputs.update(audio)
         if audio_id is not None:
             n = _feature_count(model, "audio", audio, batch)
             placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
     elif "audio" in feed and "input_values" in params:
-        inputs.update(_audio_values(cfg, gen, batch))
+        inputs.update(_audio_values(cfg, gen, batch, layout.get("wave_channels")))
     if "input_points" in params and "pixel_values" in inputs:   # a segment-anything prompt: one point per image
         inputs["input_points"] = torch.rand(batch, 1, 1, 2, generator=gen) * inputs["pixel_values"].shape[-1]
         if "input_labels" in params:
@@ -362,17 +376,24 @@ def _plain_forward_error(model, inputs: dict) -> Exception | None:
 
 
 def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> tuple[dict, dict, str]:
-    """(inputs, labels, note): the richest input variant the model's plain forward accepts (the last one if
+    """(inputs, labels, note): the richest input variant the model's plain forward accepts (the first one if
     none is accepted), and the head's labels if the plain model takes them (else none, and `note` says why:
     the training step then runs on a sum of the outputs).
 
-    A forward that says how many image features it made ("... tokens: X, features: Y") gets a prompt with
-    that many placeholders."""
+    Multimodal heads try fewer modalities (VARIANTS); audio tries the layouts of LAYOUTS. A forward that says
+    how many image features it made ("... tokens: X, features: Y") gets a prompt with that many placeholders."""
     inputs, labels = make_inputs(model, cfg, head, seed, batch)
     multimodal = head in ("image-text-to-text", "seq2seq-lm", "multimodal-lm", "speech-seq2seq") and any(
         k in inputs for k in ("pixel_values", "pixel_values_videos", "input_features"))
     if multimodal:
         inputs, labels = _fitting_variant(model, cfg, head, seed, batch)
+    elif _plain_forward_error(model, inputs) is not None and any(k in inputs for k in ("input_features",
+                                                                                       "input_values")):
+        for layout in LAYOUTS[1:]:
+            tried = make_inputs(model, cfg, head, seed, batch, layout=layout)
+            if _plain_forward_error(model, tried[0]) is None:
+                inputs, labels = tried
+                break
     note = ""
     if labels:
         was = model.training
