@@ -198,11 +198,11 @@ class TypeCensus:
 
     def table(self) -> str:
         width = max([len("type")] + [len(r.model_type) for r in self.results])
-        head = f"{'type':<{width}} {'head':<18} {'status':<12} {'ops':>4} {'miss':>4} {'equal':<5} {'time':>6}  why"
+        head = f"{'type':<{width}} {'head':<18} {'status':<14} {'ops':>4} {'miss':>4} {'equal':<5} {'time':>6}  why"
         lines = [head, "-" * len(head)]
         for r in self.results:
             eq = "-" if r.equal is None else ("yes" if r.equal else "NO")
-            lines.append(f"{r.model_type:<{width}} {r.head:<18} {r.status:<12} {len(r.ops):>4} {len(r.missing):>4} "
+            lines.append(f"{r.model_type:<{width}} {r.head:<18} {r.status:<14} {len(r.ops):>4} {len(r.missing):>4} "
                          f"{eq:<5} {r.seconds:>5.1f}s  {r.why[:100]}")
         s = self.summary()
         lines.append("-" * len(head))
@@ -274,12 +274,12 @@ def _free_port() -> int:
 
 def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, record: bool, conn,
                 rank: int = 0, world: int = 1, port: int = 0, scenario: str = "single") -> None:
-    """One type in one process (one rank of `world`): sends ("built", head), then one RunReport per mode."""
+    """One type in one process (one rank of `world`): sends ("built", head, ...) or ("skip", reason), then one
+    RunReport per mode."""
     import torch
     torch.set_num_threads(1)
     from .auto_models import build_model_type, fed_modalities, head_of
-    wrap_input = wrap_param = replicated
-    shard_model = None
+    from .census_scenarios import make_scenario
     try:
         if world > 1:
             import torch.distributed as dist
@@ -287,18 +287,7 @@ def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, r
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                               WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-            from ..dtensor.dtensor import distribute_tensor
-            from ..layout.layout import Layout
-            if scenario == "dp":
-                mesh = Layout((world,), ("dp",))
-                wrap_input = lambda t: (distribute_tensor(t, mesh("dp", *(["None"] * (t.ndim - 1))))  # noqa: E731
-                                        if t.ndim and t.shape[0] % world == 0 else replicated(t, mesh))
-            else:
-                mesh = Layout((world,), ("tp",))
-                wrap_input = lambda t: replicated(t, mesh)  # noqa: E731
-                from ..parallel.shard import shard
-                shard_model = lambda m: shard(m, "auto", mesh, src_data_rank=None)  # noqa: E731
-            wrap_param = lambda t: replicated(t, mesh)  # noqa: E731
+        plan = make_scenario(scenario, world)
         head, _ = head_of(model_type)
         try:
             template = build_model_type(model_type, seed)
@@ -308,13 +297,17 @@ def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, r
             return
         if rank == 0:
             conn.send(("built", head, (fed_modalities(template.inputs), template.note)))
+        reason = plan.not_applicable(template)
+        if reason is not None:
+            if rank == 0:
+                conn.send(("skip", reason, None))
+            return
 
         def build():  # a copy of the one built model: building is slower than copying
             return copy.deepcopy(template)
 
-        for md in modes:
-            r = _run_one(model_type, md, build, max_new_tokens, wrap_input, wrap_param, record, shard_model,
-                         plain_only=scenario == "plain")
+        for md in plan.modes(modes):
+            r = plan.run(model_type, md, build, max_new_tokens, record)
             if rank == 0:
                 conn.send(("run", md, asdict(r)))
     finally:
@@ -407,6 +400,8 @@ def _drain(job: _Job) -> bool:
                 job.result.fed, job.result.note = b
             elif kind == "build_error":
                 job.result.head, job.result.build_error = a, b
+            elif kind == "skip":
+                job.result.skipped, job.result.note = "not applicable", a
             elif kind == "run":
                 job.result.runs.append(RunReport(**b))
             elif kind == "done":
@@ -463,22 +458,26 @@ def resolve_types(types: Iterable[str]) -> list[str]:
 
 
 def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, dp: int = 0, tp: int = 0,
-                    timeout: float = 300.0, max_new_tokens: int = 3, seed: int = 0, record: bool = True,
-                    progress: Callable[[str], None] | None = None, plain: bool = False) -> TypeCensus:
+                    ep: int = 0, cp: int = 0, pp: int = 0, timeout: float = 300.0, max_new_tokens: int = 3,
+                    seed: int = 0, record: bool = True, progress: Callable[[str], None] | None = None,
+                    plain: bool = False) -> TypeCensus:
     """Run the census on transformers model types ("all" for every one with a census head).
 
     Single-card by default (one process per type, inputs and parameters replicated on the census layout);
     `dp=N`: N gloo processes per type with the batch split; `tp=N`: N gloo processes per type with
-    `shard(model, "auto")` (types whose config declares no base_model_tp_plan are listed as "no tp plan").
+    `shard(model, "auto")` (types whose config declares no base_model_tp_plan are listed as "no tp plan");
+    `ep`, `cp`, `pp`: N processes per type with expert_parallel, context_parallel or pipeline (see
+    census_scenarios; types a parallelism does not apply to are listed as "not applicable", with why).
     `jobs` types run at once; a type that has used `timeout` seconds of CPU without finishing is killed
     ("timeout"; see `_over_time` for the wall-time bounds that catch hangs). `plain`: build each type and run
     it on plain tensors only (a check of the tiny configs and inputs; scenario "plain").
     """
     _preload()
     from .auto_models import has_tp_plan
-    if dp and tp:
-        raise ValueError("census: give --dp or --tp, not both")
-    scenario, world = ("dp", dp) if dp else (("tp", tp) if tp else ("plain" if plain else "single", 1))
+    given = {k: v for k, v in (("dp", dp), ("tp", tp), ("ep", ep), ("cp", cp), ("pp", pp)) if v}
+    if len(given) > 1 or (given and plain):
+        raise ValueError(f"census: give one scenario, not {' and '.join(given) + (' and plain' if plain else '')}")
+    scenario, world = next(iter(given.items())) if given else ("plain" if plain else "single", 1)
     names = resolve_types(types)
     modes = _modes(mode)
     census = TypeCensus(scenario=f"{scenario}" + (f" {world}" if world > 1 else ""))
