@@ -17,6 +17,7 @@ import torch
 from .heads import HEAD_BY_NAME, all_model_types, head_of, head_mappings
 from .model_inputs import TEXT_LOW, VOCAB, fed_modalities, fitting_inputs, make_inputs
 from .models import ModelCase, _finish
+from .tiny_overrides import apply_override
 
 HIDDEN, HEADS_N, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
 LAYERS = 2
@@ -167,16 +168,14 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     # lists with one entry per layer: cut to the new layer count, keeping one layer of each kind where they
     # differ (a hybrid model's linear and full attention layers); dicts keyed by layer index: the kept layers
     if old_layers and old_layers > LAYERS:
+        layers = _hybrid_layers(d, old_layers)
+        for key in _LAYER_KEYS:
+            if d.get(key) == LAYERS and layers > LAYERS:
+                d[key] = layers
         for key, value in list(d.items()):
             if isinstance(value, list) and len(value) == old_layers:
-                kinds = list(dict.fromkeys(v for v in value if isinstance(v, (str, int, float))))
-                if len(kinds) > 1 and len(kinds) == len(set(map(str, value))) and all(
-                        isinstance(v, (str, int, float)) for v in value):
-                    d[key] = (kinds + [kinds[0]] * LAYERS)[:LAYERS]
-                    if len(kinds) > LAYERS:  # keep the last kind too (e.g. the full-attention layer)
-                        d[key][-1] = value[-1]
-                else:
-                    d[key] = value[:LAYERS]
+                kinds = _kinds(value)
+                d[key] = (kinds + [kinds[0]] * layers)[:layers] if len(kinds) > 1 else value[:layers]
     for key, value in list(d.items()):
         if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             d[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
@@ -196,6 +195,20 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     if "tie_word_embeddings" in d and depth == 0:
         d["tie_word_embeddings"] = False
     return d
+
+
+def _kinds(value: list) -> list:
+    """The distinct entries of a per-layer list of kinds (strings or numbers), in order; [] for other lists."""
+    if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return []
+    return list(dict.fromkeys(value))
+
+
+def _hybrid_layers(d: dict, old_layers: int) -> int:
+    """Layers to keep: LAYERS, or one per kind of a hybrid model's per-layer kinds (linear / full / sliding
+    attention, convolution...) up to 4, so that every kind is built and run."""
+    most = max([len(_kinds(v)) for v in d.values() if isinstance(v, list) and len(v) == old_layers] or [0])
+    return max(LAYERS, min(most, 4))
 
 
 def _fill_unset(d: dict, heads: int | None) -> None:
@@ -297,10 +310,12 @@ def _rotary_dim(d: dict, rope: dict, head_dim: int) -> int:
 
 
 def tiny_config(model_type: str):
-    """The type's default config, shrunk (see `shrink_config_dict`), special ids inside the vocabulary."""
+    """The type's default config, shrunk (see `shrink_config_dict`), with the type's entry of
+    `tiny_overrides.OVERRIDES` applied and special ids inside the vocabulary."""
     from transformers import AutoConfig
     base = AutoConfig.for_model(model_type)
     d = shrink_config_dict(base.to_dict())
+    apply_override(model_type, d)
     d = _remap_special_ids(d, VOCAB, {})
     _default_mrope(d, type(base))
     for k in ("transformers_version", "architectures", "_name_or_path"):

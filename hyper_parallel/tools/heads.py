@@ -118,8 +118,7 @@ def heads_of(model_type: str) -> dict:
 
 def head_of(model_type: str, head: str | None = None) -> tuple[str, str]:
     """(head name, model class name) the census builds `model_type` with: `head` if given, else the first of
-    HEADS the type has, except that an encoder with both a masked-LM and a causal-LM head (BERT's
-    `BertLMHeadModel` wants `is_decoder=True`) is built as the masked LM it was trained as."""
+    HEADS the type has, except that a causal LM that is part of a larger model gives way to it (below)."""
     found = heads_of(model_type)
     if not found:
         raise KeyError(f"model type {model_type!r} has no model class in this transformers; "
@@ -129,8 +128,11 @@ def head_of(model_type: str, head: str | None = None) -> tuple[str, str]:
             raise KeyError(f"model type {model_type!r} has no {head!r} head; it has {', '.join(found)}")
         return head, found[head]
     name = next(iter(found))
-    if name == "causal-lm" and "masked-lm" in found:
-        name = "masked-lm"
+    if name == "causal-lm":
+        # the whole model where the causal LM is one part of it: an encoder-decoder's decoder (Whisper's, BART's)
+        # is built as the encoder-decoder; an encoder with a causal-LM head (BERT's, is_decoder=True) as the
+        # masked LM it was trained as
+        name = next((h for h in ("speech-seq2seq", "seq2seq-lm", "masked-lm") if h in found), name)
     return name, found[name]
 
 

@@ -387,11 +387,10 @@ def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> 
         k in inputs for k in ("pixel_values", "pixel_values_videos", "input_features"))
     if multimodal:
         inputs, labels = _fitting_variant(model, cfg, head, seed, batch)
-    elif _plain_forward_error(model, inputs) is not None and any(k in inputs for k in ("input_features",
-                                                                                       "input_values")):
+    elif _fails(model, inputs, labels) and any(k in inputs for k in ("input_features", "input_values")):
         for layout in LAYOUTS[1:]:
             tried = make_inputs(model, cfg, head, seed, batch, layout=layout)
-            if _plain_forward_error(model, tried[0]) is None:
+            if not _fails(model, *tried):
                 inputs, labels = tried
                 break
     note = ""
@@ -407,35 +406,56 @@ def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> 
     return inputs, labels, note
 
 
+def _fails(model, inputs: dict, labels: dict) -> bool:
+    """Whether the plain forward fails on the inputs alone and with the labels (an encoder-decoder's forward
+    needs its decoder's tokens)."""
+    return _plain_forward_error(model, inputs) is not None and (
+        not labels or _plain_forward_error(model, {**inputs, **labels}) is not None)
+
+
 def _fitting_variant(model, cfg, head: str, seed: int, batch: int) -> tuple[dict, dict]:
-    """The first variant of VARIANTS the plain forward accepts (the last one tried if none is)."""
+    """The first variant of VARIANTS (in any audio layout of LAYOUTS) the plain forward accepts; the richest
+    one if none is."""
     tried: list = []
+    first = None
     for feed in VARIANTS:
-        inputs, labels = make_inputs(model, cfg, head, seed, batch, feed)
-        key = tuple(sorted(inputs))
-        if key in tried:
-            continue
-        tried.append(key)
-        err = _plain_forward_error(model, inputs)
-        if err is None:
-            return inputs, labels
-        n = _image_count_from_error(err) if "token" in str(err) and "features" in str(err) else None
-        image_id = _token_id(cfg, "image")
-        if n and image_id is not None and "input_ids" in inputs:
-            gen = torch.Generator().manual_seed(seed + 1)
-            ids = torch.tensor([_row(SEQ, [[_token_id(cfg, "vision_start"), image_id, max(1, n // batch),
-                                            _token_id(cfg, "vision_end")]], gen)] * batch)
-            fixed = dict(inputs, input_ids=ids)
-            for k in ("attention_mask",):
-                if k in fixed:
-                    fixed[k] = torch.ones_like(ids)
-            for k in ("token_type_ids", "mm_token_type_ids"):
-                if k in fixed:
-                    fixed[k] = (ids == image_id).long()
-            fixed = {k: v for k, v in fixed.items() if k not in ("pixel_values_videos", "video_grid_thw")}
-            if _plain_forward_error(model, fixed) is None:
-                return fixed, head_labels(fixed, model, cfg, head, gen, batch, min(TEXT_HIGH, _vocab(cfg)))
-    return inputs, labels
+        for layout in LAYOUTS:
+            inputs, labels = make_inputs(model, cfg, head, seed, batch, feed, layout)
+            key = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in sorted(inputs.items()))
+            if key in tried:
+                continue
+            tried.append(key)
+            first = first or (inputs, labels)
+            if not _fails(model, inputs, labels):
+                return inputs, labels
+            err = _plain_forward_error(model, inputs)
+            fixed = _with_feature_count(model, cfg, head, seed, batch, inputs, err)
+            if fixed is not None:
+                return fixed
+    return first
+
+
+def _with_feature_count(model, cfg, head: str, seed: int, batch: int, inputs: dict, err: Exception):
+    """The inputs with as many image placeholders as the forward's error says it made features, if that
+    makes the forward run (None otherwise)."""
+    n = _image_count_from_error(err) if "token" in str(err) and "features" in str(err) else None
+    image_id = _token_id(cfg, "image")
+    if not n or image_id is None or "input_ids" not in inputs:
+        return None
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.tensor([_row(SEQ, [[_token_id(cfg, "vision_start"), image_id, max(1, n // batch),
+                                    _token_id(cfg, "vision_end")]], gen)] * batch)
+    fixed = dict(inputs, input_ids=ids)
+    for k in ("attention_mask",):
+        if k in fixed:
+            fixed[k] = torch.ones_like(ids)
+    for k in ("token_type_ids", "mm_token_type_ids"):
+        if k in fixed:
+            fixed[k] = (ids == image_id).long()
+    fixed = {k: v for k, v in fixed.items() if k not in ("pixel_values_videos", "video_grid_thw")}
+    if _plain_forward_error(model, fixed) is None:
+        return fixed, head_labels(fixed, model, cfg, head, gen, batch, min(TEXT_HIGH, _vocab(cfg)))
+    return None
 
 
 __all__ = ["make_inputs", "fitting_inputs", "fed_modalities", "head_labels", "VARIANTS", "SEQ", "VOCAB"]
