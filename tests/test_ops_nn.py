@@ -96,7 +96,46 @@ def _loss(rnd, name):
     return (lambda x, t: fn(x, t, **kw)), args
 
 
-CASES = {"embedding": _embedding, "sdpa": _sdpa, "norm": _norm,
+def _channel_norm(rnd):
+    """batch_norm (eval: running statistics; training: batch statistics), group_norm, instance_norm on
+    (N, C, ...) inputs: the rules split what the statistics allow and gather the rest."""
+    n, c = rnd.randint(1, 4), rnd.choice([2, 4])
+    spatial = dims(rnd, rnd.randint(1, 2), 1, 4)
+    spatial[0] = max(spatial[0], 2)  # more than one value per channel and sample
+    x, w, b = Arg(randn(n, c, *spatial)), Arg(randn(c)), Arg(randn(c))
+    kind = rnd.choice(["batch_eval", "batch_train", "group", "instance"])
+    if kind == "batch_eval":
+        mean = Arg(randn(c), grad=False, partial=False)
+        var = Arg(torch.rand(c, dtype=torch.float64) + 0.5, grad=False, partial=False)
+        return (lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=False, eps=1e-5)), [x, mean, var, w, b]
+    if kind == "batch_train":
+        return (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)), [x, w, b]
+    if kind == "group":
+        groups = rnd.choice([1, c // 2, c])
+        return (lambda x, w, b: F.group_norm(x, groups, w, b, eps=1e-5)), [x, w, b]
+    return (lambda x, w, b: F.instance_norm(x, weight=w, bias=b)), [x, w, b]
+
+
+def _ctc_loss(rnd):
+    """CTC over log-probabilities (T, N, C): gathered (each sample's alignment spans its whole sequence)."""
+    t, n, c, s = rnd.randint(4, 6), rnd.randint(1, 3), rnd.randint(3, 5), rnd.randint(1, 2)
+    log_probs = Arg(randn(t, n, c).log_softmax(-1))
+    targets = Arg(torch.randint(1, c, (n, s)), grad=False, partial=False)
+    lengths = [Arg(torch.full((n,), v, dtype=torch.long), grad=False, partial=False) for v in (t, s)]
+    reduction = rnd.choice(["mean", "sum", "none"])
+    return (lambda lp, tg, il, tl: F.ctc_loss(lp, tg, il, tl, reduction=reduction)), [log_probs, targets] + lengths
+
+
+def _weight_norm(rnd):
+    """torch._weight_norm(v, g, dim): weight-normed convolutions of audio encoders (gathered)."""
+    v = randn(rnd.randint(2, 4), rnd.randint(1, 3), rnd.randint(1, 3))
+    dim = rnd.choice([0, 2])
+    g = randn(*[v.shape[d] if d == dim else 1 for d in range(v.ndim)])
+    return (lambda v, g: torch._weight_norm(v, g, dim)), [Arg(v), Arg(g)]
+
+
+CASES = {"embedding": _embedding, "sdpa": _sdpa, "norm": _norm, "channel_norm": _channel_norm,
+         "ctc_loss": _ctc_loss, "weight_norm": _weight_norm,
          "cross_entropy": lambda rnd: _loss(rnd, "cross_entropy"), "nll_loss": lambda rnd: _loss(rnd, "nll_loss")}
 
 

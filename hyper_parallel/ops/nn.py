@@ -1,4 +1,5 @@
-"""Neural-network ops: embedding, scaled_dot_product_attention, layer_norm / rms_norm, cross_entropy / nll_loss.
+"""Neural-network ops: embedding, scaled_dot_product_attention, layer_norm / rms_norm, batch / group norm,
+cross_entropy / nll_loss.
 
 They reuse the labelled-dims description of ops/matmul.py (`ContractionSpec`): each rule names the
 dims that may be split (batch, heads, hidden) and the ones that must stay whole (a softmax or
@@ -177,6 +178,24 @@ class Norm(SignatureRule):
         ops = [(0, lead + norm)] + [(i, norm[len(norm) - s.ndim:]) for i, s in enumerate(call.inputs) if i > 0]
         return contraction_signatures(call, ContractionSpec(ops, lead + norm, frozen=frozenset(norm), linear=[],
                                                             contract_partial=False))
+
+
+class ChannelNorm(SignatureRule):
+    """F.batch_norm / F.group_norm (input (N, C, ...), per-channel weights): statistics over dims that the
+    rule keeps whole. group_norm normalises each sample on its own: the batch dim may be split. batch_norm in eval mode uses its running statistics, pointwise per channel: any dim but
+    the channels may be split; in training its statistics span the batch and every spatial dim (and update
+    the running buffers), so its input is gathered (all-Replicate) for the exact single-device result."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        x = call.inputs[0]
+        n = len(call.inputs)
+        if call.name.endswith("batch_norm"):
+            if call.arg(5, "training", False):
+                return []
+            dims = [d for d in range(x.ndim) if d != 1]
+        else:
+            dims = [0]
+        return [Signature([Shard(d)], [Shard(d)] + [REPLICATE] * (n - 1)) for d in dims if x.shape[d] > 1]
 
 
 # ---- losses --------------------------------------------------------------------------------------

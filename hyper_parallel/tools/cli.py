@@ -16,8 +16,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a local Hugging Face checkpoint folder (never downloaded), fed every modality its config "
                         "declares; repeatable")
     c.add_argument("--model-type", action="append", default=[], metavar="TYPE",
-                   help="any transformers model_type (repeatable), or 'all': a tiny random model of that type built "
-                        "from its default config, each type in its own process")
+                   help="any transformers model_type (repeatable, or comma-separated), or 'all': a tiny random model "
+                        "of that type built from its default config, each type in its own process")
     c.add_argument("--types-from", metavar="FILE.json",
                    help="--model-type: also the types whose plain run worked in an earlier report (its --json)")
     c.add_argument("--rerun", metavar="FILE.json",
@@ -135,6 +135,7 @@ def _type_census(args: argparse.Namespace) -> int:
     """`census --model-type ...`: each type built tiny in its own process (see tools/census_types.py)."""
     from .auto_models import all_model_types
     from .census_types import read_type_json, run_type_census, write_type_json
+    args.model_type = [t for given in args.model_type for t in given.split(",") if t]  # "a,b" or repeated
     base = None
     command = _command(args)  # before the types of --rerun / --types-from join args.model_type
     try:

@@ -261,6 +261,13 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
     elif "audio" in feed and "input_values" in params:
         inputs.update(_audio_values(cfg, gen, batch, layout.get("wave_channels")))
+    if "attention_mask" in params and "input_ids" not in params:  # a mask over the audio's samples / frames
+        wave, features = inputs.get("input_values"), inputs.get("input_features")
+        if wave is not None and wave.ndim == 2:
+            inputs["attention_mask"] = torch.ones(wave.shape, dtype=torch.long)
+        elif features is not None and features.ndim == 3:
+            frames = features.shape[1 if layout.get("audio_time_first") else 2]
+            inputs["attention_mask"] = torch.ones(batch, frames, dtype=torch.long)
     if "input_points" in params and "pixel_values" in inputs:   # a segment-anything prompt: one point per image
         inputs["input_points"] = torch.rand(batch, 1, 1, 2, generator=gen) * inputs["pixel_values"].shape[-1]
         if "input_labels" in params:
