@@ -41,6 +41,8 @@ _HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_dim", "kv_channels", "qk_h
 _EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total"}
 _TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts", "moe_k", "router_topk"}
 _VOCAB_KEYS = {"vocab_size", "text_vocab_size"}
+# a detector's object queries (and denoising queries): no more than the anchors a tiny image gives
+_QUERY_KEYS = {"num_queries": 8, "num_denoising": 4}
 # the chunk of a state-space scan (Mamba-2 pads the sequence to it and builds chunk x chunk matrices) and the
 # window of sliding-window attention (Longformer pads the sequence to it): at their defaults (256, 512) the tiny
 # model spends nearly all of its time on padding
@@ -87,7 +89,9 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     heads_old = next((d[k] for k in _HEAD_KEYS if isinstance(d.get(k), int)), None)
     head_dim_old = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
     for key, value in list(d.items()):
-        if isinstance(value, dict) and key != "rope_parameters" and key != "rope_scaling" and (
+        if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
+            d[key] = _resnet_for(value)
+        elif isinstance(value, dict) and key != "rope_parameters" and key != "rope_scaling" and (
                 "model_type" in value or any(k in value for k in _HIDDEN_KEYS | _LAYER_KEYS)):
             d[key] = shrink_config_dict(value, depth + 1)
         elif isinstance(value, bool) or value is None:
@@ -98,8 +102,14 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             d[key] = _small(value, HIDDEN)
         elif key in _FFN_KEYS:
             d[key] = _small(value, INTERMEDIATE)
+        elif key in _HEAD_KEYS and isinstance(value, list):  # one per stage (Swin): powers of two divide widths
+            d[key] = [min(HEADS_N, 1 << (v.bit_length() - 1)) if isinstance(v, int) and v > 0 else v for v in value]
         elif key in _HEAD_KEYS:
             d[key] = _small(value, HEADS_N)
+        elif key == "depths" and isinstance(value, list):  # blocks per stage
+            d[key] = [_small(v, LAYERS) for v in value]
+        elif key in _QUERY_KEYS:
+            d[key] = _small(value, _QUERY_KEYS[key])
         elif key in _HEAD_DIM_KEYS:
             d[key] = _small(value, HEAD_DIM)
         elif key in _EXPERT_KEYS:
@@ -140,6 +150,8 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     # 64 pixels a side for a convolutional model (no patches)
     if isinstance(d.get("patch_size"), int):
         d["patch_size"] = min(d["patch_size"], 4)
+        if isinstance(d.get("window_size"), int):  # attention windows (Swin) within the 8 x 8 patch grid
+            d["window_size"] = min(d["window_size"], 4)
         for key in ("image_size", "img_size"):
             if isinstance(d.get(key), int) or _is_pair(d.get(key)):
                 d[key] = d["patch_size"] * 8 if isinstance(d[key], int) else [d["patch_size"] * 8] * 2
@@ -227,6 +239,14 @@ def _fill_unset(d: dict, heads: int | None) -> None:
         for key, size in (("num_experts_per_tok", 2), ("moe_intermediate_size", INTERMEDIATE)):
             if key in d and d[key] is None:
                 d[key] = size
+
+
+def _resnet_for(timm: dict) -> dict:
+    """A tiny transformers ResNet in place of a timm backbone (timm is not installed, and the census is about
+    transformers' own modules), with the timm config's output stages."""
+    stages = [i for i in timm.get("out_indices") or [1, 2, 3, 4] if 1 <= i <= 4]
+    return {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1],
+            "layer_type": "basic", "out_indices": stages, "out_features": [f"stage{i}" for i in stages]}
 
 
 def _is_pair(value) -> bool:
