@@ -164,6 +164,8 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     # a state-space mixer's heads fill its expanded width: heads * head_dim == expand * hidden_size
     for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
         width = d.get(expand, 0) * d.get("hidden_size", 0) if isinstance(d.get(expand), int) else 0
+        if heads.startswith("mamba") and isinstance(d.get("mamba_d_ssm"), int):  # Falcon-H1 sets the width itself
+            width = d["mamba_d_ssm"]
         if width and isinstance(d.get(heads), int) and isinstance(d.get(dim), int) and width % d[dim] == 0:
             d[heads] = width // d[dim]
     # randomness a training step would draw differently in the plain and the DTensor run: off

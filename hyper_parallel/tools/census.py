@@ -24,6 +24,7 @@ from ..dispatch import registry
 from ..dispatch.registry import MissingOpRecord, record_missing_ops
 from ..dtensor.dtensor import DTensor, distribute_tensor
 from ..layout.layout import Layout
+from .model_inputs import fed_modalities
 from .models import ModelCase, build_model, load_pretrained, model_names
 
 MODES = ("generate", "train")
@@ -83,6 +84,7 @@ class RunReport:
     error: str | None = None
     seconds: float = 0.0
     plain_ok: bool | None = None                     # the plain-tensor run finished (None: not reached)
+    fed: list = field(default_factory=list)          # the modalities its inputs fed (text, image, video, audio)
 
     @property
     def with_rules(self) -> list[str]:
@@ -172,6 +174,10 @@ class CensusReport:
             eq = "-" if r.equal is None else ("yes" if r.equal else "NO")
             lines.append(f"{r.model:<{w}} {r.mode:<9} {len(r.ops):>4} {len(r.with_rules):>5} {len(r.missing):>4}  "
                          f"{eq:<5} {r.seconds:>5.1f}s  {note}")
+        fed = {r.model: r.fed for r in self.runs if r.fed}
+        if fed:
+            lines.append("-" * len(head))
+            lines += [f"{m:<{w}} fed: {', '.join(f)}" for m, f in fed.items()]
         models = self.models()
         if len(models) > 1:
             lines.append("-" * len(head))
@@ -349,6 +355,7 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
     try:
         if mode == "generate":
             case = build()
+            report.fed = fed_modalities(case.inputs)
             ref = _generate(case, case.inputs, max_new_tokens)
             report.plain_ok = True
             if plain_only:
@@ -361,6 +368,7 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             report.equal, report.detail = _compare_generate(case, ref, out)
         elif mode == "train":
             case = build()
+            report.fed = fed_modalities(case.inputs)
             ref_loss, ref_grads, _ = _train_step(_train_module(case), case.inputs, case.labels)
             report.plain_ok = True
             if plain_only:
