@@ -134,7 +134,43 @@ def _weight_norm(rnd):
     return (lambda v, g: torch._weight_norm(v, g, dim)), [Arg(v), Arg(g)]
 
 
+def _pointwise_loss(rnd):
+    """Losses per element, then the reduction: elementwise for 'none', pending sums for 'sum', gathered for
+    'mean'."""
+    shape = dims(rnd, rnd.randint(1, 3), 1, 5)
+    x, y = randn(*shape), randn(*shape)
+    reduction = rnd.choice(["none", "sum", "mean"])
+    name = rnd.choice(["mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
+                       "binary_cross_entropy", "kl_div"])
+    target = Arg(y.sigmoid() if "binary" in name else y, grad=False, partial=False)
+    if name == "binary_cross_entropy":
+        return (lambda x, t: F.binary_cross_entropy(x.sigmoid(), t, reduction=reduction)), [Arg(x), target]
+    if name == "kl_div":
+        return (lambda x, t: F.kl_div(x.log_softmax(-1), t.softmax(-1), reduction=reduction)), [Arg(x), target]
+    fn = getattr(F, name)
+    return (lambda x, t: fn(x, t, reduction=reduction)), [Arg(x), target]
+
+
+def _conv_transpose(rnd):
+    """conv_transpose1d/2d (audio decoders, segmentation heads): batch split, weights replicated."""
+    nd = rnd.choice([1, 2])
+    n, cin, cout, k = rnd.randint(1, 4), rnd.randint(1, 3), rnd.randint(1, 3), rnd.randint(1, 3)
+    x = Arg(randn(n, cin, *dims(rnd, nd, 2, 4)))
+    w, b = Arg(randn(cin, cout, *[k] * nd)), Arg(randn(cout))
+    stride = rnd.choice([1, 2])
+    fn = F.conv_transpose1d if nd == 1 else F.conv_transpose2d
+    return (lambda x, w, b: fn(x, w, b, stride=stride)), [x, w, b]
+
+
+def _glu(rnd):
+    shape = dims(rnd, rnd.randint(1, 3), 1, 4)
+    dim = rnd.randrange(len(shape))
+    shape[dim] *= 2
+    return (lambda x: F.glu(x, dim)), [Arg(randn(*shape))]
+
+
 CASES = {"embedding": _embedding, "sdpa": _sdpa, "norm": _norm, "channel_norm": _channel_norm,
+         "pointwise_loss": _pointwise_loss, "conv_transpose": _conv_transpose, "glu": _glu,
          "ctc_loss": _ctc_loss, "weight_norm": _weight_norm,
          "cross_entropy": lambda rnd: _loss(rnd, "cross_entropy"), "nll_loss": lambda rnd: _loss(rnd, "nll_loss")}
 

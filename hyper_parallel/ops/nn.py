@@ -199,6 +199,31 @@ class ChannelNorm(SignatureRule):
 
 
 # ---- losses --------------------------------------------------------------------------------------
+class PointwiseLoss(SignatureRule):
+    """F.mse_loss / l1_loss / smooth_l1_loss / huber_loss / binary_cross_entropy(_with_logits) / kl_div: a
+    loss per element, then the reduction. 'none' is elementwise (input and target split alike); 'sum' leaves
+    each rank's sum pending (Partial); 'mean' divides by the global count, so a split input is gathered
+    (all-Replicate) for the exact mean. Inputs of other shapes (a broadcast weight) are gathered too."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        x = call.inputs[0]
+        if any(tuple(s.shape) != tuple(x.shape) for s in call.inputs[1:]):
+            return []
+        if self.reduction_index >= 4 and (call.arg(self.reduction_index - 2, "size_average", None) is not None or
+                                          call.arg(self.reduction_index - 1, "reduce", None) is not None):
+            return []  # the legacy reduction flags: gathered rather than read again here
+        reduction = call.arg(self.reduction_index, "reduction", "mean")
+        n = len(call.inputs)
+        if reduction == "none":
+            return [Signature([Shard(d)], [Shard(d)] * n) for d in range(x.ndim) if x.shape[d] > 1]
+        if reduction == "sum":
+            return [Signature([_P], [Shard(d)] * n) for d in range(x.ndim) if x.shape[d] > 1]
+        return []
+
+    reduction_index = 4  # (input, target, size_average, reduce, reduction) for most; YAML overrides
+
+
+
 class _LossArgs:
     """The arguments of F.cross_entropy / F.nll_loss that matter here, from a call or local args."""
 
