@@ -29,6 +29,7 @@ from .models import ModelCase, build_model, load_pretrained, model_names
 
 MODES = ("generate", "train")
 TOLERANCE = 1e-5
+RUN_SEED = 1234  # the torch seed each run (plain, then on DTensors) starts from
 
 
 def census_layout() -> Layout:
@@ -356,6 +357,7 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
         if mode == "generate":
             case = build()
             report.fed = fed_modalities(case.inputs)
+            torch.manual_seed(RUN_SEED)  # random ops (dropout-like sampling, Gumbel noise) draw alike in both runs
             ref = _generate(case, case.inputs, max_new_tokens)
             report.plain_ok = True
             if plain_only:
@@ -364,11 +366,13 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             shard_model(case.model)
             inputs = to_dtensor_inputs(case.inputs, wrap_input)
             with recorder() as rec:
+                torch.manual_seed(RUN_SEED)
                 out = _generate(case, inputs, max_new_tokens)
             report.equal, report.detail = _compare_generate(case, ref, out)
         elif mode == "train":
             case = build()
             report.fed = fed_modalities(case.inputs)
+            torch.manual_seed(RUN_SEED)
             ref_loss, ref_grads, _ = _train_step(_train_module(case), case.inputs, case.labels)
             report.plain_ok = True
             if plain_only:
@@ -378,6 +382,7 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             module = distribute_parameters(_train_module(case), wrap_param)
             inputs, labels = to_dtensor_inputs(case.inputs, wrap_input), to_dtensor_inputs(case.labels, wrap_input)
             with recorder() as rec:
+                torch.manual_seed(RUN_SEED)
                 loss, grads, params = _train_step(module, inputs, labels)
             dl = abs(float(ref_loss) - float(loss)) / max(1.0, abs(float(ref_loss)))
             dg, wg = _max_diff(ref_grads, grads, relative=True)
