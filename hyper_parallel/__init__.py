@@ -8,7 +8,8 @@ from .parallel.shard import ShardingPlan, init_parameters, load_sharded, shard, 
 from .parallel.hsdp import hsdp
 from .parallel.parallelize import parallelize, summary
 from .parallel.custom_shard import custom_shard
-from .checkpoint.pretrained import from_pretrained, save_pretrained
+from .pretrained import from_pretrained, save_pretrained
+from .parallel.dims import data_rank, data_world
 from .parallel.expert import expert_parallel
 from .parallel.context import context_parallel
 from .parallel.pipeline import Pipeline, pipeline
@@ -26,4 +27,5 @@ __all__ += ["parallelize", "summary", "from_pretrained", "save_pretrained", "cus
 __all__ += ["expert_parallel"]
 __all__ += ["context_parallel"]
 __all__ += ["pipeline", "Pipeline"]
+__all__ += ["data_rank", "data_world"]
 __version__ = "0.1.0"

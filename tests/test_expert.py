@@ -102,8 +102,9 @@ def _train(rank, world, name, mesh_shape, level, skew=False, steps=2, via_parall
         model = hp.hsdp(model, optimizer_level=level, threshold=0)
     dp = mesh.size("dp") if "dp" in names else 1
     dp_rank = mesh.get_local_rank("dp") if "dp" in names else 0
-    ids = _batch(4 * dp)
-    mine = ids.chunk(dp)[dp_rank]       # hsdp: each dp rank feeds its own micro-batch; ep splits it further
+    ids = _batch(2 * hp.data_world(mesh))                 # the global batch: 2 rows per data share
+    mine = ids.chunk(hp.data_world(mesh))[hp.data_rank(mesh)]   # API §12: each (dp, ep) rank feeds its share
+    dp_rows = ids.chunk(dp)[dp_rank]    # what one dp replica's ep group holds together
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     params = dict(model.named_parameters())
@@ -111,7 +112,7 @@ def _train(rank, world, name, mesh_shape, level, skew=False, steps=2, via_parall
         loss = model(input_ids=mine, labels=mine).loss
         ref_loss = ref(input_ids=ids, labels=ids).loss
         with torch.no_grad():
-            ref_mine = ref(input_ids=mine, labels=mine).loss
+            ref_mine = ref(input_ids=dp_rows, labels=dp_rows).loss
         torch.testing.assert_close(_full(loss), ref_mine, **TOL)
         loss.backward()
         ref_loss.backward()
@@ -161,7 +162,8 @@ def _generate(rank, world, name):
     mask = torch.ones_like(ids)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = ref.generate(input_ids=ids, attention_mask=mask, **kw)
-    got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    mine = slice(rank, rank + 1)   # each rank its share (API §12): the generated tokens are the global batch's
+    got = model.generate(input_ids=ids[mine], attention_mask=mask[mine], **kw)
     assert torch.equal(_full(got), want), (_full(got), want)
 
 
@@ -265,8 +267,9 @@ def test_errors_and_record_single_process():
     with pytest.raises(ValueError, match="already live on"):
         expert_parallel(expert_parallel(_model("mixtral"), other, "x"), virtual2)
     model = expert_parallel(_model("mixtral"), virtual2)
-    assert model._hp_applied == ["ep: 2 experts modules of 8 experts over 'ep' (4 per rank), batch split over 'ep'"]
-    with pytest.raises(ValueError, match=r"batch \(3\) must divide evenly"):
+    assert model._hp_applied == ["ep: 2 experts modules of 8 experts over 'ep' (4 per rank), each rank's rows a "
+                                 "share of the batch over 'ep'"]
+    with pytest.raises(RuntimeError, match="needs torch.distributed"):   # a virtual mesh cannot exchange tokens
         model(input_ids=_batch(3))
 
 

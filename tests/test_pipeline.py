@@ -73,14 +73,18 @@ def train_pipelined(rank, world, kind, mesh_shape, names, kwargs):
     pipe = hp.pipeline(tiny_model(kind), mesh, **kwargs)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     ids, labels = batch()
+    share = slice(None)
+    if hp.data_world(mesh) > 1:   # API §12: each data-parallel rank feeds its share, pp/tp/cp ranks the same one
+        rows = BATCH // hp.data_world(mesh)
+        share = slice(hp.data_rank(mesh) * rows, (hp.data_rank(mesh) + 1) * rows)
     losses = []
     for _ in range(STEPS):
-        losses.append(pipe.step(ids, labels=labels).item())
+        losses.append(pipe.step(ids[share], labels=labels[share]).item())
         opt.step()
         opt.zero_grad()
     params = {k: _full(v).detach().clone() for k, v in pipe.named_parameters()}
-    logits = pipe.eval_forward(ids)
-    return losses, params, [list(s.layers) for s in pipe.specs], logits
+    logits = pipe.eval_forward(ids[share])   # logits of this rank's share
+    return losses, params, [list(s.layers) for s in pipe.specs], (share, logits)
 
 
 def check_against_reference(results, kind, pp):
@@ -99,8 +103,8 @@ def check_against_reference(results, kind, pp):
     model.load_state_dict(ref_params, strict=False)
     with torch.no_grad():
         want = model(input_ids=batch()[0]).logits
-    for _, _, _, logits in results:
-        torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+    for _, _, _, (share, logits) in results:
+        torch.testing.assert_close(logits, want[share], atol=1e-5, rtol=0)
 
 
 SCHEDULE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zb", 2),

@@ -1,9 +1,14 @@
-"""The few collectives checkpointing needs, on the default group, that degrade to no-ops in one process."""
+"""The few collectives checkpointing needs, on the default group, that degrade to no-ops in one process.
+
+They go through redistribute/collectives.py like every collective (counted, compared in check mode,
+CollectiveError on a failure)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch.distributed as dist
+
+from ..redistribute import collectives
 
 
 def distributed() -> bool:
@@ -21,22 +26,18 @@ def world() -> int:
 def all_gather_object(obj: Any) -> list:
     if not distributed():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return collectives.all_gather_object(obj)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not distributed():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return collectives.broadcast_object(obj, src)
 
 
 def barrier() -> None:
     if distributed():
-        dist.barrier()
+        collectives.barrier()
 
 
 def raise_first(errors: list, cls: type) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dtensor.dtensor import DTensor
+from ..redistribute import collectives
 from . import comm
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .format import SafetensorsWriter, hf_weight_map, write_json
@@ -61,10 +62,10 @@ def gather_to_rank0(t: torch.Tensor) -> torch.Tensor | None:
             full[where] = local.cpu()
         elif me == 0:  # rank 0 may hold only a metadata placeholder of `t` (another pipeline stage's)
             buf = torch.empty(sizes, dtype=t.dtype, device=_receive_device(local))
-            dist.recv(buf, src=r)
+            collectives.recv(buf, r)
             full[where] = buf.cpu()
         elif r == me:
-            dist.send(local.contiguous(), dst=0)
+            collectives.send(local.contiguous(), 0)
     return full
 
 

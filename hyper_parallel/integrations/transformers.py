@@ -105,7 +105,7 @@ class HyperParallelTrainer(Trainer):
 
     # ---- saving: a collective on every rank ---------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        from ..checkpoint.pretrained import save_pretrained
+        from ..pretrained import save_pretrained
         save_pretrained(self.model, output_dir or self.args.output_dir)
 
     def _save_checkpoint(self, model, trial):

@@ -58,6 +58,7 @@ class DeviceMesh:
         self.mesh = ranks
         self._axis_of = {n: i for i, n in enumerate(names)}
         self._submeshes: dict = {}
+        self.root = self  # the mesh this one was taken from by name (`mesh["tp"]`), for the parallelisms' owner
         self.replicated_layouts: dict = {}  # ndim -> Layout, filled by layout.replicate_layout
         self.distributed = ensure_process_group()
         if self.distributed:
@@ -129,6 +130,7 @@ class DeviceMesh:
             sub = sub.permute(*[sorted(axes).index(a) for a in axes])
         groups = tuple(self.groups[a] for a in axes)
         mesh = DeviceMesh(self.device_type, sub, names, _groups=groups)
+        mesh.root = self.root
         self._submeshes[names] = mesh
         return mesh
 

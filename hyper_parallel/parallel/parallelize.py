@@ -4,8 +4,11 @@
     model = hp.parallelize(model, mesh, hsdp={"optimizer_level": "level3"})
     print(hp.summary(model))
 
-Order (torchtitan's): `shard` on "tp" (plan `tp`) -> `expert_parallel` on "ep" -> `context_parallel` on
-"cp" (method `cp`) -> `hsdp(**hsdp)` on "dp". Each step records what it did on the model
+Order (torchtitan's): `shard` on "tp" (plan `tp`) -> expert parallel on "ep" -> `context_parallel` on
+"cp" (method `cp`) -> `hsdp(**hsdp)` on "dp". The mesh's `ParallelDims` hands each its sub-mesh: the model
+parallelisms lay parameters out on `model_mesh` (the mesh without "dp"), hsdp shards them over "dp". The
+experts modules belong to expert parallelism: tensor parallelism leaves them alone. A model without
+experts on a mesh with "ep" uses the axis as a data axis only. Each step records what it did on the model
 (`model._hp_applied`), which `summary` prints with the per-group layouts and bytes per rank.
 """
 from __future__ import annotations
@@ -18,7 +21,8 @@ from torch import nn
 
 from ..dtensor.dtensor import DTensor
 from ..layout.mesh import DeviceMesh
-from ._model import refuse_foreign_dtensors
+from .dims import CP, DP, EP, PP, TP, ParallelDims
+from .surgery import refuse_foreign_dtensors
 
 logger = logging.getLogger("hyper_parallel")
 
@@ -27,64 +31,58 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, tp: Any = "auto", ep: boo
                 hsdp: dict | None = None) -> nn.Module:
     """Apply, in place, every parallelism `mesh`'s axis names ask for; returns the model.
 
-    "tp": `shard(model, tp, mesh)` (tp="auto": the model's own tp_plan; None skips it); "ep":
-    `expert_parallel` (also when `ep=True`); "cp": `context_parallel` with method `cp` ("ring" by
-    default); "dp": `hsdp(model, mesh=mesh, **hsdp)`. Asking for a parallelism whose axis the mesh lacks
-    (tp= other than "auto", ep=True, cp=, hsdp=) is a ValueError, raised before anything changes.
+    "tp": `shard(model, tp, mesh)` (tp="auto": the model's own tp_plan; None skips it); "ep": expert
+    parallel (also when `ep=True`); "cp": `context_parallel` with method `cp` ("ring" by default); "dp":
+    `hsdp(model, mesh=mesh, **hsdp)`. Asking for a parallelism whose axis the mesh lacks (tp= other than
+    "auto", ep=True, cp=, hsdp=) is a ValueError, raised before anything changes. A mesh with "pp" is
+    `hyper_parallel.pipeline`'s (it parallelizes each stage over the other axes).
     """
-    check_request(mesh, tp=tp, ep=ep, cp=cp, hsdp=hsdp)
+    dims = ParallelDims.of(mesh, "parallelize")
+    check_request(dims, tp=tp, ep=ep, cp=cp, hsdp=hsdp)
     refuse_foreign_dtensors(model, "parallelize")
-    model_parallel(model, mesh, tp=tp, ep=ep, cp=cp)
-    data_parallel(model, mesh, hsdp)
+    apply_parallelisms(model, dims, tp=tp, cp=cp, hsdp=hsdp)
     logger.info("hyper_parallel: parallelize on %s: %s", dict(zip(mesh.mesh_dim_names, mesh.shape)),
                 "; ".join(model.__dict__.get("_hp_applied", [])) or "nothing applied")
     return model
 
 
-def check_request(mesh: DeviceMesh, *, tp: Any = "auto", ep: bool = False, cp: str | None = None,
-                  hsdp: dict | None = None) -> None:
+def check_request(dims: ParallelDims, *, tp: Any = "auto", ep: bool = False, cp: str | None = None,
+                  hsdp: dict | None = None, where: str = "parallelize", pipeline: bool = False) -> None:
     """ValueError unless every parallelism asked for has its axis on the mesh (before anything changes)."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallelize: mesh must be a DeviceMesh (hp.init_device_mesh), got {type(mesh).__name__}")
-    names = tuple(mesh.mesh_dim_names or ())
-    asked = {"tp": tp is not None and not (isinstance(tp, str) and tp == "auto"), "ep": bool(ep),
-             "cp": cp is not None, "dp": hsdp is not None}
+    if dims.has(PP) and not pipeline:
+        raise ValueError(f"{where}: the mesh has a 'pp' axis: pipeline stages are cut by "
+                         f"hyper_parallel.pipeline(model, mesh, ...), which parallelizes each stage over the other "
+                         f"axes with the same arguments")
+    asked = {TP: tp is not None and not (isinstance(tp, str) and tp == "auto"), EP: bool(ep),
+             CP: cp is not None, DP: hsdp is not None}
     for axis, wanted in asked.items():
-        if wanted and axis not in names:
-            arg = {"tp": "tp=", "ep": "ep=True", "cp": "cp=", "dp": "hsdp="}[axis]
-            raise ValueError(f"parallelize: {arg} asks for mesh axis {axis!r}, but the mesh has axes {names}; "
-                             f"add the axis (init_device_mesh(..., mesh_dim_names=...)) or drop the argument")
-    unknown = [n for n in names if n not in asked]
-    if unknown:
-        raise ValueError(f"parallelize: mesh axes {unknown} name no parallelism; use 'dp', 'tp', 'ep' or 'cp' "
-                         f"(pipeline stages: hyper_parallel.pipeline)")
+        if wanted:
+            dims.require(axis, where)
+    if hsdp is not None and not isinstance(hsdp, dict):
+        raise TypeError(f"{where}: hsdp= takes a dict of hsdp's arguments, e.g. {{'optimizer_level': 'level3'}}, "
+                        f"got {type(hsdp).__name__}")
 
 
-def model_parallel(model: nn.Module, mesh: DeviceMesh, *, tp: Any = "auto", ep: bool = False,
-                   cp: str | None = None) -> None:
-    """The parallelisms that split the model itself: shard on "tp", experts on "ep", sequence on "cp".
-
-    All three lay parameters out on one mesh, `mesh` without "dp" (shard's `model_mesh`), e.g. the
-    whole ("cp", "tp") mesh with tp's splits replicated over "cp"; hsdp then adds "dp" itself."""
-    from .shard.api import model_mesh
-    names = mesh.mesh_dim_names
-    inner = model_mesh(mesh)
-    if "tp" in names and tp is not None:
-        from .shard import shard
-        shard(model, tp, mesh)
-    if "ep" in names:
-        from .expert import expert_parallel  # imported here: optional parts of the package
-        expert_parallel(model, inner, axis="ep")
-    if "cp" in names:
+def apply_parallelisms(model: nn.Module, dims: ParallelDims, *, tp: Any = "auto", cp: str | None = None,
+                       hsdp: dict | None = None) -> None:
+    """The model parallelisms on `dims.model_mesh` (tp, then ep, then cp), then hsdp over "dp"."""
+    from .expert.api import batch_shares_only, expert_parallel, find_experts
+    inner = dims.model_mesh
+    experts = find_experts(model) if dims.has(EP) else {}
+    if dims.has(TP) and tp is not None:
+        from .shard.api import tensor_parallel
+        tensor_parallel(model, tp, dims.stage_mesh, leave=tuple(experts))
+    if dims.has(EP):
+        if experts:
+            expert_parallel(model, inner, EP)
+        else:
+            batch_shares_only(model, inner, EP)
+    if dims.has(CP):
         from .context import context_parallel
-        context_parallel(model, inner, axis="cp", method=cp or "ring")
-
-
-def data_parallel(model: nn.Module, mesh: DeviceMesh, hsdp: dict | None) -> None:
-    """hsdp over the "dp" axis (last: it shards whatever layouts the model parallelisms left)."""
-    if "dp" in mesh.mesh_dim_names:
+        context_parallel(model, inner, axis=CP, method=cp or "ring")
+    if dims.has(DP):
         from .hsdp import hsdp as apply_hsdp
-        apply_hsdp(model, mesh=mesh, **(hsdp or {}))
+        apply_hsdp(model, mesh=dims.stage_mesh, **(hsdp or {}))
 
 
 def _group_name(name: str) -> str:
@@ -121,4 +119,4 @@ def summary(model: nn.Module) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["parallelize", "summary"]
+__all__ = ["parallelize", "summary", "check_request", "apply_parallelisms"]

@@ -47,10 +47,19 @@ def _record(kind: str, tensor: torch.Tensor) -> None:
             c.bytes[kind] += nbytes
 
 
+def _unchecked(fn):
+    """Mark a point-to-point function: check mode does not compare fingerprints before it (only the two
+    peers take part, and they run different things by design)."""
+    def run(*args, **kwargs):
+        return fn(*args, **kwargs)
+    run.unchecked = True
+    return run
+
+
 def _issue(kind: str, detail, over, collective, *args, **kwargs):
     """Run one torch.distributed collective: fingerprints compared first in check mode; a failure (timeout,
     a peer gone) re-raised with what this rank was running."""
-    if _check.CHECK[0]:
+    if _check.CHECK[0] and not getattr(collective, "unchecked", False):
         _check.compare(kind, detail, over)
     try:
         return collective(*args, **kwargs)
@@ -64,10 +73,25 @@ def gather_objects(mesh, obj) -> list:
     items = [(mesh.coordinate, obj)]
     for axis, size in enumerate(mesh.shape):
         if size > 1:
-            parts = [None] * size
-            dist.all_gather_object(parts, items, group=mesh.get_group(axis))
+            parts = all_gather_object(items, mesh.get_group(axis))
             items = [item for part in parts for item in part]
     return sorted(items, key=lambda item: item[0])
+
+
+def gather_over_mesh(mesh, t: torch.Tensor, kind: str = "all_gather") -> torch.Tensor:
+    """Every rank's `t` stacked in the mesh's row-major coordinate order, on every rank of `mesh`.
+
+    One all_gather on the default group when the mesh is the whole world in rank order, else one per mesh
+    axis (innermost first), so a mesh over part of the world needs no group of its own. `kind`: what
+    `comm_counter` counts it as (the feed check's exchange is "feed_check", not model traffic)."""
+    items = t.unsqueeze(0)
+    if dist.get_world_size() == len(mesh.ranks) and list(mesh.ranks) == list(range(len(mesh.ranks))):
+        return all_gather(items, 0, None, [1] * len(mesh.ranks), kind)
+    for axis in reversed(range(mesh.ndim)):
+        size = mesh.shape[axis]
+        if size > 1:
+            items = all_gather(items, 0, mesh.get_group(axis), [items.shape[0]] * size, kind)
+    return items
 
 
 def all_reduce(t: torch.Tensor, op: str, group, parts: int) -> torch.Tensor:
@@ -79,7 +103,7 @@ def all_reduce(t: torch.Tensor, op: str, group, parts: int) -> torch.Tensor:
     return out
 
 
-def all_gather(t: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
+def all_gather(t: torch.Tensor, dim: int, group, sizes: list[int], kind: str = "all_gather") -> torch.Tensor:
     """Concatenate every rank's piece along `dim`; `sizes` are the pieces' lengths (uneven allowed)."""
     parts = len(sizes)
     top = max(sizes)
@@ -89,8 +113,8 @@ def all_gather(t: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tens
         src = torch.cat([src, pad])
     src = src.contiguous()
     out = src.new_empty((parts * top,) + tuple(src.shape[1:]))
-    _record("all_gather", src)
-    _issue("all_gather", dim, group, dist.all_gather_single, out, src, group=group)
+    _record(kind, src)
+    _issue(kind, dim, group, dist.all_gather_single, out, src, group=group)
     if any(s != top for s in sizes):
         out = torch.cat([c[:s] for c, s in zip(out.chunk(parts), sizes)])
     return out.movedim(0, dim).contiguous() if dim else out  # model code may .view() the result
@@ -122,10 +146,82 @@ def all_to_all(t: torch.Tensor, gather_dim: int, scatter_dim: int, group, parts:
 
 
 def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
+    """`t` from global rank `src_rank` to every rank of `group` (in place when `t` is contiguous)."""
     t = t.contiguous()
     _record("broadcast", t)
     _issue("broadcast", src_rank, group, dist.broadcast, t, src_rank, group=group)
     return t
+
+
+# ---- in place, on flat buffers, optionally asynchronous: hsdp's gathers and gradient reductions ----------
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+    """Every rank's flat `t` concatenated into `out` (rank order); returns the work when `async_op`."""
+    _record("all_gather", t)
+    return _issue("all_gather", f"flat {t.numel()} {t.dtype}", group, dist.all_gather_single, out, t,
+                  group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+    """The sum over the ranks of flat `t`, this rank's equal piece into `out`; the work when `async_op`."""
+    _record("reduce_scatter", t)
+    return _issue("reduce_scatter", f"flat {t.numel()} {t.dtype} sum", group, dist.reduce_scatter_single, out, t,
+                  _OPS["sum"], group=group, async_op=async_op)
+
+
+def all_reduce_(t: torch.Tensor, group, async_op: bool = False, op: str = "sum"):
+    """`t` summed (or `op`) over the ranks of `group`, in place; the work when `async_op`."""
+    _record("all_reduce", t)
+    return _issue("all_reduce", f"in place {t.numel()} {t.dtype} {op}", group, dist.all_reduce, t, _OPS[op],
+                  group=group, async_op=async_op)
+
+
+def wait(work, kind: str, what: str, group) -> None:
+    """Wait for an asynchronous collective (None: nothing in flight); a failure becomes CollectiveError."""
+    if work is None:
+        return
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise _check.CollectiveError(_check.failure_message(kind, what, group, e)) from e
+
+
+def send(t: torch.Tensor, dst: int, group=None) -> None:
+    """Point-to-point to global rank `dst` (the receiver posts `recv`): not checked, ranks differ by design."""
+    _record("send", t)
+    _issue("send", dst, group, _unchecked(dist.send), t, dst, group=group)
+
+
+def recv(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Receive into `t` from global rank `src`."""
+    _issue("recv", src, group, _unchecked(dist.recv), t, src, group=group)
+    return t
+
+
+def record_p2p(ops: list) -> list:
+    """Count the sends of a list of `dist.P2POp`s that someone else (torch's pipeline schedules) posts."""
+    for op in ops:
+        if op.op in (dist.isend, dist.send):
+            _record("send", op.tensor)
+    return ops
+
+
+# ---- objects (metadata exchanges: checkpoints, checks) -----------------------------------------------------
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable `obj` on every rank of `group`, in group rank order."""
+    out = [None] * dist.get_world_size(group)
+    _issue("all_gather_object", type(obj).__name__, group, dist.all_gather_object, out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """`obj` from global rank `src` to every rank of `group`."""
+    box = [obj]
+    _issue("broadcast_object", src, group, dist.broadcast_object_list, box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group=None) -> None:
+    _issue("barrier", "", group, dist.barrier, group=group)
 
 
 def all_to_all_uneven(t: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 from torch import Tensor, nn
@@ -11,8 +10,8 @@ from ...dtensor import DTensor
 from ...layout import Layout
 from ...layout.layout import PlacementLayout, replicate_layout
 from ...layout.mesh import DeviceMesh
-from .._applied import record_applied
-from ..shard.api import distribute_parameter
+from .. import feed
+from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
 from .attention import METHODS, ContextSettings, register_attention
 from .zigzag import reorder, zigzag_slice
 
@@ -40,10 +39,9 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if method == "ulysses":
         _check_heads_divide(config, mesh, settings)
-    _replicate_parameters(model, mesh)
+    lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="context_parallel")
     model.config._attn_implementation = register_attention(settings)
-    model.register_forward_pre_hook(functools.partial(_split_inputs, settings, _forward_names(model)),
-                                    with_kwargs=True)
+    feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings))
     model.base_model.register_forward_hook(functools.partial(_plain_order_outputs, settings))
     record_applied(model, f"cp: sequence split over {axis!r} ({settings.parts} ranks, {method}, "
                           f"rank i holds chunks i and {2 * settings.parts - 1}-i)")
@@ -61,57 +59,85 @@ def _check_heads_divide(config, mesh: DeviceMesh, settings: ContextSettings) -> 
                              f"tp ({tp}) x {settings.axis!r} ({settings.parts}); use method='ring' or 'allgather'")
 
 
-def _replicate_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Parameters not laid out yet become replicated DTensors on the mesh (tied ones stay tied)."""
-    done: dict = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or isinstance(p, DTensor):
+class SequenceSplit:
+    """The input step of context parallelism: the ranks of the axis feed the same whole sequences, split
+    here over the axis in the zigzag order (global positions, a padding mask whole on every rank)."""
+
+    name = "cp"
+    may_refuse = True  # sequence lengths change from step to step
+    for_generate = False
+
+    def __init__(self, settings: ContextSettings):
+        self.settings = settings
+
+    def refuse(self, inputs: dict) -> str | None:
+        """Why these inputs cannot be split over the axis (decided from shapes, before anything runs)."""
+        if inputs.get("past_key_values") is not None or inputs.get("cache") is not None:
+            return ("context_parallel: a KV cache (generation) is not supported; call the model without "
+                    "past_key_values/cache")
+        ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+        if ref is None:
+            return None
+        if ref.ndim < 2:
+            return f"context_parallel: input_ids/inputs_embeds need a batch and a sequence dim, got shape {tuple(ref.shape)}"
+        batch, seq_len, parts = ref.shape[0], ref.shape[SEQ_DIM], self.settings.parts
+        if seq_len % (2 * parts):
+            return (f"context_parallel: the sequence length {seq_len} must be a multiple of 2 x "
+                    f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); pad the batch, "
+                    f"e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
+                    "attention_mask 0 and labels -100 on the padding")
+        for name, want in (("attention_mask", (batch, seq_len)), ("labels", (batch, seq_len)),
+                           ("position_ids", None)):
+            value = inputs.get(name)
+            if value is None:
                 continue
-            if id(p) not in done:
-                done[id(p)] = distribute_parameter(p, replicate_layout(mesh, p.ndim))
-            module._parameters[name] = done[id(p)]
+            if not isinstance(value, Tensor):
+                return f"context_parallel: {name} must be a tensor, got {type(value).__name__}"
+            shape = tuple(value.shape)
+            if name == "position_ids":
+                if shape not in ((batch, seq_len), (1, seq_len)):
+                    return (f"context_parallel: position_ids of shape {shape} do not match the inputs' "
+                            f"(batch, sequence) = {(batch, seq_len)}; give ({batch}, {seq_len}) or (1, {seq_len})")
+            elif shape != want:
+                what = "a 2D padding mask" if name == "attention_mask" else "one label per token"
+                return (f"context_parallel: {name} of shape {shape} does not match the inputs' (batch, sequence) "
+                        f"= {want}; give {what} of that shape")
+        positions = inputs.get("position_ids")
+        if positions is not None and inputs.get("attention_mask") is None and not isinstance(positions, DTensor):
+            plain = torch.arange(seq_len, device=positions.device).expand(positions.shape)
+            if not torch.equal(positions, plain):
+                return ("context_parallel: packed sequences (position_ids that restart) are not supported; pass "
+                        "one sequence per row with an attention_mask")
+        return None
 
+    def restore_order(self, hidden):
+        """The base model's output back in the plain sequence order (an ordinary Shard of the sequence), as
+        the model's own forward hook does; a pipeline's last stage calls it before the head."""
+        return _plain_order(self.settings, hidden)
 
-def _forward_names(model: nn.Module) -> list[str]:
-    return [n for n, p in inspect.signature(model.forward).parameters.items()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
-def _split_inputs(settings: ContextSettings, names: list[str], module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: the inputs' sequence dim split over the axis (zigzag order, global positions)."""
-    kwargs = {**dict(zip(names, args)), **kwargs}
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
-        raise ValueError("context_parallel: a KV cache (generation) is not supported; call the model "
-                         "without past_key_values/cache")
-    kwargs["use_cache"] = False  # a cache would gather the split keys and values
-    ref = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    if ref is None:
+    def apply(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook body: the inputs' sequence dim split over the axis (zigzag order, global positions)."""
+        settings = self.settings
+        kwargs = feed.named_inputs(module, args, kwargs)
+        kwargs["use_cache"] = False  # a cache would gather the split keys and values
+        ref = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if ref is None:
+            return (), kwargs
+        seq_len = ref.shape[SEQ_DIM]
+        plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = plain_positions
+        # always a mask: without one, transformers would read the zigzag position ids as packed sequences
+        mask = kwargs.get("attention_mask")
+        kwargs["attention_mask"] = _padding_mask(settings, torch.ones_like(plain_positions.expand(ref.shape[0], -1))
+                                                 if mask is None else mask)
+        for name in ZIGZAG_INPUTS[2:] + ZIGZAG_INPUTS[:1]:
+            if kwargs.get(name) is not None:
+                kwargs[name] = _split(settings, kwargs[name], zigzag=True)
+        for name in PLAIN_INPUTS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = _split(settings, kwargs[name], zigzag=False)
         return (), kwargs
-    seq_len, parts = ref.shape[SEQ_DIM], settings.parts
-    if seq_len % (2 * parts):
-        raise ValueError(f"context_parallel: the sequence length {seq_len} must be a multiple of 2 x "
-                         f"{settings.axis!r} size = {2 * parts} (each rank holds two chunks); pad the batch, "
-                         f"e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
-                         "attention_mask 0 and labels -100 on the padding")
-    plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
-    if kwargs.get("position_ids") is None:
-        kwargs["position_ids"] = plain_positions
-    elif kwargs.get("attention_mask") is None and not isinstance(kwargs["position_ids"], DTensor) \
-            and not torch.equal(kwargs["position_ids"].expand(ref.shape[0], -1), plain_positions.expand(ref.shape[0], -1)):
-        raise ValueError("context_parallel: packed sequences (position_ids that restart) are not supported; "
-                         "pass one sequence per row with an attention_mask")
-    # always a mask: without one, transformers would read the zigzag position ids as packed sequences
-    mask = kwargs.get("attention_mask")
-    kwargs["attention_mask"] = _padding_mask(settings, torch.ones_like(plain_positions.expand(ref.shape[0], -1))
-                                             if mask is None else mask)
-    for name in ZIGZAG_INPUTS[2:] + ZIGZAG_INPUTS[:1]:
-        if kwargs.get(name) is not None:
-            kwargs[name] = _split(settings, kwargs[name], zigzag=True)
-    for name in PLAIN_INPUTS:
-        if kwargs.get(name) is not None:
-            kwargs[name] = _split(settings, kwargs[name], zigzag=False)
-    return (), kwargs
 
 
 def _padding_mask(settings: ContextSettings, mask: Tensor):

@@ -1,10 +1,11 @@
 """expert_parallel(): every MoE experts module keeps a block of whole experts per rank of one mesh axis.
 
 Reading order: `expert_parallel` -> `find_experts` -> `_lay_out_parameters` -> `_dispatching_forward`
--> `_split_batch_hook`. The axis also carries a share of the batch, like a data-parallel axis: the
-model's inputs are split on their batch dim over it, so every activation is a DTensor sharded on rows,
-and the op rules give single-device semantics to everything outside the experts (replicated
-parameters get their gradients summed over the axis, the loss is the global mean). Inside an experts
+-> `BatchShares`. The axis also carries a share of the batch, like a data-parallel axis (API §12): each
+rank feeds its own rows, which become its rows of one batch split over the axis, so every activation is
+a DTensor sharded on rows, and the op rules give single-device semantics to everything outside the
+experts (replicated parameters get their gradients summed over the axis, the loss is the mean over the
+whole batch). Inside an experts
 module the local rows travel to the experts' owners and back (dispatch.py); the module's own forward
 computes the local experts, so whatever the model's experts do (gating, biases, grouped_mm or eager
 loops) is kept. Experts are Shard(0) DTensors, which checkpoints save and reshard like any parameter.
@@ -18,11 +19,12 @@ from torch import Tensor, nn
 
 from ...dtensor.autograd import Wrap, local_input
 from ...dtensor.dtensor import DTensor, make_dtensor
-from ...layout.layout import Layout, replicate_layout
+from ...layout.layout import Layout
 from ...layout.mesh import DeviceMesh
 from ...layout.placement import REPLICATE, Shard
-from .._applied import record_applied
-from ..shard.api import distribute_parameter, move
+from .. import feed
+from ..surgery import (bind_save_pretrained, lay_out_parameters, local_experts, move, record_applied,
+                       replicated_elsewhere)
 from .dispatch import dispatch_combine
 
 # model inputs that are never batch-major, whatever their length
@@ -32,10 +34,11 @@ _NOT_BATCH = frozenset({"cache_position", "logits_to_keep"})
 def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.Module:
     """Spread the experts of every MoE experts module of `model` over mesh axis `axis`, in place.
 
-    Each rank of the axis keeps a contiguous block of whole experts; the model's inputs are split on
-    their batch dim over the axis (DTensors already laid out are taken as they are); routed tokens
-    travel to their experts by all_to_all and come back by a second one. Every other parameter is
-    replicated over the axis (data-parallel). Compose with `shard` first (tp) and `hsdp` after (dp).
+    Each rank of the axis keeps a contiguous block of whole experts; each rank feeds its own share of the
+    batch (the global batch is the concatenation of the shares, which must have equal shapes; DTensors
+    already laid out are taken as they are); routed tokens travel to their experts by all_to_all and come
+    back by a second one. Every other parameter is replicated over the axis (data-parallel). Compose with
+    `shard` first (tp) and `hsdp` after (dp), or use `hyper_parallel.parallelize`.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"expert_parallel: mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -54,13 +57,32 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.
         raise ValueError(f"expert_parallel: parameters already live on {', '.join(elsewhere)}, not on {mesh}; expert "
                          f"parallel needs every parameter on the one mesh it is given: shard with that same mesh "
                          f"(style plans then lay out on it), or use hyper_parallel.parallelize")
+    split_by_tp = sorted(name for name, m in experts.items() if m.__dict__.get("_hp_experts_split") == "tp")
+    if split_by_tp:
+        raise ValueError(f"expert_parallel: the experts of {split_by_tp[:3]} are already split by shard (its plan "
+                         f"has an experts style for them); use hyper_parallel.parallelize(model, mesh, ep=True, ...), "
+                         f"which leaves the experts to expert parallelism, or a shard plan without the experts")
     _lay_out_parameters(model, experts, mesh, axis)
     for name, module in experts.items():
         _dispatching_forward(module, mesh, axis, name)
-    model.register_forward_pre_hook(_split_batch_hook(mesh, axis), with_kwargs=True)
+    feed.register(model, mesh, equal_shares=(axis,), step=BatchShares(mesh, axis))
+    bind_save_pretrained(model)
     counts = sorted(set(n_experts.values()))
     record_applied(model, f"ep: {len(experts)} experts modules of {'/'.join(map(str, counts))} experts over "
-                          f"{axis!r} ({'/'.join(str(n // ranks) for n in counts)} per rank), batch split over {axis!r}")
+                          f"{axis!r} ({'/'.join(str(n // ranks) for n in counts)} per rank), each rank's rows a "
+                          f"share of the batch over {axis!r}")
+    return model
+
+
+def batch_shares_only(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.Module:
+    """The "ep" axis of a model without experts (`parallelize` on a dense model): a data axis only. Each rank's
+    rows become its share of one batch split over `axis`; parameters are replicated over it, their gradients
+    summed over it by the op rules."""
+    lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="parallelize")
+    feed.register(model, mesh, equal_shares=(axis,), step=BatchShares(mesh, axis))
+    bind_save_pretrained(model)
+    record_applied(model, f"ep: {type(model).__name__} has no MoE experts: each rank's rows a share of the batch "
+                          f"over {axis!r} (data parallel)")
     return model
 
 
@@ -104,31 +126,20 @@ def _rows(mesh: DeviceMesh, axis: str, ndim: int) -> Layout:
 
 
 def _lay_out_parameters(model: nn.Module, experts: dict, mesh: DeviceMesh, axis: str) -> None:
-    """Experts' parameters: Shard(0) over `axis` (whole experts per rank, replicated elsewhere, also undoing
-    a tensor-parallel split of the experts). Other parameters: replicated DTensors unless `shard` laid
-    them out already, so their gradients are summed over the axis by the op rules."""
+    """Experts' parameters: Shard(0) over `axis` (whole experts per rank, replicated elsewhere). Other
+    parameters: replicated DTensors unless `shard` laid them out already, so their gradients are summed
+    over the axis by the op rules."""
     expert_ids = {id(p) for m in experts.values() for p in m._parameters.values() if p is not None}
-    done: dict = {}
-    for module in model.modules():
-        for pn, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in done:
-                if id(p) in expert_ids:
-                    done[id(p)] = distribute_parameter(p, _rows(mesh, axis, p.ndim))
-                elif isinstance(p, DTensor):
-                    done[id(p)] = p
-                else:
-                    done[id(p)] = distribute_parameter(p, replicate_layout(mesh, p.ndim))
-            module._parameters[pn] = done[id(p)]
+    lay_out_parameters(model, lambda name, p: _rows(mesh, axis, p.ndim) if id(p) in expert_ids else None,
+                       default=replicated_elsewhere(mesh), where="expert_parallel")
 
 
 # ---- the experts' forward -----------------------------------------------------------------------------
 def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: str) -> None:
     """Replace the module's forward by: local rows -> dispatch_combine (the module's own forward computing
     this rank's experts on what it received) -> rows of the output, as a DTensor split like the input."""
-    module.__dict__.pop("forward", None)  # `shard`'s tensor-parallel experts forward, if any
     original = module.forward
+    module.__dict__["_hp_experts_split"] = "ep"
     sig = inspect.signature(original)
     n_total = _expert_count(module)
     n_local = n_total // mesh.size(axis)
@@ -137,16 +148,8 @@ def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: 
         params = {pn: p for pn, p in module._parameters.items() if p is not None}
         locals_ = {pn: _local_of(p) for pn, p in params.items()}
         ones = torch.ones(local_ids.shape + (1,), dtype=received.dtype, device=received.device)
-        saved_n = module.__dict__.get("num_experts")
-        try:
-            module._parameters.update(locals_)
-            if saved_n == n_total:
-                module.num_experts = n_local
+        with local_experts(module, locals_, n_total, n_local):
             out = original(received, local_ids.unsqueeze(-1), ones)
-        finally:
-            module._parameters.update(params)
-            if saved_n is not None:
-                module.num_experts = saved_n
         if out.shape[0] == 0 and torch.is_grad_enabled() and received.requires_grad:
             # nothing reached this rank's experts: still join both all_to_alls' backward, with zero gradients
             out = out + sum(t.sum() * 0 for t in (received, *locals_.values()) if t.requires_grad)
@@ -184,31 +187,34 @@ def _local_of(p: Tensor) -> Tensor:
     return p._local
 
 
-# ---- the batch over the axis -------------------------------------------------------------------------
-def _split_batch_hook(mesh: DeviceMesh, axis: str):
-    """Forward pre-hook on the model: whole batch-major tensors are split on dim 0 over `axis`."""
-    ranks = mesh.size(axis)
+# ---- each rank's rows, a share of the batch over the axis ------------------------------------------------
+class BatchShares:
+    """The input step of expert parallelism: each rank's plain batch-major inputs become its rows of one
+    DTensor batch split over `axis` (the global batch: the shares concatenated in the axis' order)."""
 
-    def split(name: str, x, batch: int):
+    name = "ep"
+    may_refuse = True  # the shares' shapes change from step to step: compared on every forward
+    for_generate = True  # generate's loop then runs on the same batch-split DTensors
+
+    def __init__(self, mesh: DeviceMesh, axis: str):
+        self.mesh, self.axis, self.ranks = mesh, axis, mesh.size(axis)
+
+    def refuse(self, inputs: dict) -> str | None:
+        return None  # any rows are a share; the feed check compares the shares' shapes across the axis
+
+    def apply(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+        if not tensors or tensors[0].ndim == 0:
+            return args, kwargs
+        batch = tensors[0].shape[0]   # input_ids or inputs_embeds: its dim 0 is the batch
+        args = tuple(self._share(str(i), a, batch) for i, a in enumerate(args))
+        kwargs = {k: self._share(k, v, batch) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _share(self, name: str, x, batch: int):
         if not isinstance(x, Tensor) or isinstance(x, DTensor) or name in _NOT_BATCH:
             return x
         if x.ndim == 0 or x.shape[0] != batch:
             return x
-        return move(x, lambda nd: _rows(mesh, axis, nd), f"model input {name!r}")
-
-    def hook(module, args, kwargs):
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
-        if not tensors:
-            return None
-        first = tensors[0]   # input_ids or inputs_embeds: its dim 0 is the batch
-        if first.ndim == 0:
-            return None
-        batch = first.shape[0]
-        if not isinstance(first, DTensor) and batch % ranks:
-            raise ValueError(f"expert_parallel: the batch ({batch}) must divide evenly over the {ranks} ranks of "
-                             f"axis {axis!r}; pad it or use a batch that is a multiple of {ranks}")
-        args = tuple(split(str(i), a, batch) for i, a in enumerate(args))
-        kwargs = {k: split(k, v, batch) for k, v in kwargs.items()}
-        return args, kwargs
-
-    return hook
+        layout = _rows(self.mesh, self.axis, x.ndim)
+        return DTensor.from_local(x, layout, shape=(batch * self.ranks,) + tuple(x.shape[1:]))

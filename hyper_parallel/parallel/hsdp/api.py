@@ -20,9 +20,10 @@ Gradients: each rank's loss is the mean over its own micro-batch, and `.grad` is
 ranks (times `grad_scale`), i.e. the gradient of the mean loss over the global batch when micro-batches
 are equal. Full checkpoints: `model.full_state_dict()` / `model.load_full_state_dict(sd)` (rank 0).
 
-Limits: every rank must run the same modules (as with FSDP2); a parameter unused in a backward gets a
-zero gradient rather than None; `.to()`, `.half()`, `.float()`, `.cpu()` on the wrapped model are
-converted by `_apply` on the root, keeping the parameters' identity and sharding.
+A parameter that took no part in the loss on any rank keeps `grad is None`, as on one device (so AdamW's
+weight decay leaves it alone). Limits: every rank must run the same modules (as with FSDP2);
+`.to()`, `.half()`, `.float()`, `.cpu()` on the wrapped model are converted by `_apply` on the root,
+keeping the parameters' identity and sharding.
 """
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ import torch
 from torch import nn
 
 from ...dtensor.dtensor import DTensor
-from .._applied import record_applied
-from .._model import bind_save_pretrained, refuse_foreign_dtensors
+from ..surgery import bind_save_pretrained, record_applied, refuse_foreign_dtensors, registrations
 from . import topology
 from .param import HsdpParam
 from .unit import HsdpState, Unit
@@ -126,17 +126,17 @@ def hsdp(model: nn.Module, shard_size: int = -1, threshold: float = 64, optimize
                              f"call hsdp once, on the whole model")
     _check_arguments(shard_size, threshold, optimizer_level, grad_scale, reduce_dtype, bucket_size)
     level = _LEVELS[optimizer_level]
-    registrations = _registrations(model)
-    params = [p for p, _ in registrations.values()]
+    registered = registrations(model)
+    params = [p for p, _ in registered.values()]
     topo = topology.resolve(params, mesh, shard_size)
     bucket_bytes = -1.0 if bucket_size is None or bucket_size < 0 else float(bucket_size) * 1024
     state = HsdpState(topo, level, bool(comm_fusion), bucket_bytes, bool(comm_async), reduce_dtype,
                       float(grad_scale), bool(enable_grad_accumulation))
 
-    owner = _owners(model, registrations)
+    owner = _owners(model, registered)
     by_unit: dict = {}
     with torch.no_grad():
-        for pid, (param, regs) in registrations.items():
+        for pid, (param, regs) in registered.items():
             fqn = regs[0][2]
             hp = HsdpParam(fqn, param, [(m, n) for m, n, _ in regs], topo, level, float(threshold) * 1024)
             hp.install(hp.sparam)
@@ -187,20 +187,6 @@ def _check_arguments(shard_size, threshold, optimizer_level, grad_scale, reduce_
         raise ValueError(f"hsdp: grad_scale={grad_scale!r} must be a finite number")
     if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
         raise TypeError(f"hsdp: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
-
-
-def _registrations(model: nn.Module) -> dict:
-    """id(param) -> (param, [(module, name, fqn), ...]) over every place it is registered (tied weights)."""
-    out: dict = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for name, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            fqn = f"{mname}.{name}" if mname else name
-            entry = out.setdefault(id(p), (p, []))
-            if all(m is not module or n != name for m, n, _ in entry[1]):
-                entry[1].append((module, name, fqn))
-    return out
 
 
 def _unit_modules(model: nn.Module) -> set:

@@ -21,11 +21,10 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
+from ...redistribute import collectives
 from .topology import Topology
 
-_SUM = dist.ReduceOp.SUM
 _MAX_IN_FLIGHT = 1
 
 
@@ -74,12 +73,14 @@ class Reducer:
         self.comm_async = comm_async
         self.pending: deque = deque()
 
-    def reduce(self, bucket: Bucket) -> None:
+    def reduce(self, bucket: Bucket, used: set | None = None) -> None:
+        """Reduce `bucket`'s gradients; with `used`, only those parameters get one (the rest stay None)."""
         dtype = self.reduce_dtype or bucket.params[0].dtype
+        keep = (lambda p: True) if used is None else used.__contains__
         if bucket.kind == "scatter":
-            job = self._scatter(bucket, dtype)
+            job = self._scatter(bucket, dtype, keep)
         else:
-            job = self._all_reduce(bucket, dtype)
+            job = self._all_reduce(bucket, dtype, keep)
         if self.comm_async:
             self.pending.append(job)
             while len(self.pending) > _MAX_IN_FLIGHT:
@@ -93,7 +94,7 @@ class Reducer:
 
     # ---- the two collectives ------------------------------------------------------------
     # each unsharded gradient is taken from its parameter only when it is packed, and dropped right after
-    def _scatter(self, bucket: Bucket, dtype):
+    def _scatter(self, bucket: Bucket, dtype, keep):
         params = bucket.params
         S = params[0].parts
         if len(params) == 1:
@@ -107,20 +108,21 @@ class Reducer:
                 o += n
             inp = inp.view(-1)
         out = inp.new_empty(inp.numel() // S)
-        work = dist.reduce_scatter_single(out, inp, _SUM, group=self.topo.reduce_shard_group,
-                                          async_op=self.comm_async)
+        group = self.topo.reduce_shard_group
+        work = collectives.reduce_scatter_into(out, inp, group, self.comm_async)
 
         def finish():
-            if work is not None and self.comm_async:
-                work.wait()
+            if self.comm_async:
+                collectives.wait(work, "reduce_scatter", "hsdp gradient reduction", group)
             self._across_replicas(out)
             o = 0
             for p, n in zip(params, bucket.sizes):
-                p.set_grad(out[o:o + p.length * p.row])
+                if keep(p):
+                    p.set_grad(out[o:o + p.length * p.row])
                 o += n
         return finish
 
-    def _all_reduce(self, bucket: Bucket, dtype):
+    def _all_reduce(self, bucket: Bucket, dtype, keep):
         params = bucket.params
         if len(params) == 1:
             buf = params[0].padded_grad(params[0].take_grad(), dtype)[: bucket.sizes[0]]
@@ -131,24 +133,25 @@ class Reducer:
                 buf[o:o + n].copy_(p.padded_grad(p.take_grad(), dtype)[:n])
                 o += n
         group = self.topo.reduce_shard_group
-        work = dist.all_reduce(buf, _SUM, group=group, async_op=self.comm_async) if group is not None else None
+        work = collectives.all_reduce_(buf, group, self.comm_async) if group is not None else None
 
         def finish():
-            if work is not None and self.comm_async:
-                work.wait()
+            if self.comm_async:
+                collectives.wait(work, "all_reduce", "hsdp gradient reduction", group)
             self._across_replicas(buf)
             o = 0
             for p, n in zip(params, bucket.sizes):
                 g = buf[o:o + n]
                 if p.sharded:  # level1: keep the full reduced gradient, hand the shard its rows
                     g = g[p.offset * p.row: (p.offset + p.length) * p.row]
-                p.set_grad(g)
+                if keep(p):
+                    p.set_grad(g)
                 o += n
         return finish
 
     def _across_replicas(self, t: torch.Tensor) -> None:
         if self.topo.reduce_replicate_group is not None:
-            dist.all_reduce(t, _SUM, group=self.topo.reduce_replicate_group)
+            collectives.all_reduce_(t, self.topo.reduce_replicate_group)
         if self.factor != 1.0:
             t.mul_(self.factor)
 

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...dtensor.dtensor import DTensor, distribute_tensor
+from ...redistribute import collectives
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
@@ -35,7 +36,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict | None, from_rank0: 
             if broadcast:
                 full = state_dict[name].to(local_target.dtype).contiguous().clone() if rank == 0 else \
                     torch.empty(tuple(target.shape), dtype=local_target.dtype, device=local_target.device)
-                dist.broadcast(full, 0)
+                collectives.broadcast(full, 0)
             else:
                 full = state_dict[name]
             if type(target) is DTensor:

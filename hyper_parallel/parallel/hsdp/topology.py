@@ -123,15 +123,15 @@ def _full_mesh(compute: DeviceMesh | None, mesh) -> DeviceMesh:
         return get_mesh((world,), ("dp",))
     if len(compute.ranks) == world:
         return compute
-    # the parameters live on a sub-mesh (e.g. mesh["tp"]): the other copies of it are the dp replicas
-    copies = [None] * world
-    dist.all_gather_object(copies, tuple(compute.ranks))
-    rows = sorted(set(copies), key=min)
-    if sorted(r for row in rows for r in row) != list(range(world)):
-        raise ValueError(f"hsdp: the parameters' meshes {rows} do not tile the {world} ranks; pass mesh=")
-    name = _fresh("dp", compute.mesh_dim_names)
-    ranks = [r for row in rows for r in row]
-    return get_mesh((len(rows),) + compute.shape, (name,) + compute.mesh_dim_names, ranks, compute.device_type)
+    # the parameters live on a sub-mesh taken by name (mesh["tp"]): the mesh it was taken from holds the dp
+    # axis; no rank guesses the others' ranks
+    root = compute.root
+    if root is compute or len(root.ranks) != world or "dp" not in root.mesh_dim_names:
+        raise ValueError(f"hsdp: the parameters live on {compute}, which covers {len(compute.ranks)} of the {world} "
+                         f"ranks, and no mesh it was taken from has a data-parallel axis 'dp'; pass mesh= (the mesh "
+                         f"with the 'dp' axis the parameters' mesh was taken from)")
+    keep = tuple(n for n in root.mesh_dim_names if n in compute.mesh_dim_names or n == "dp")
+    return root if keep == root.mesh_dim_names else root[keep]
 
 
 def _dp_axis(mesh: DeviceMesh, compute: DeviceMesh | None, used: set) -> int:

@@ -18,16 +18,20 @@ Per unit and step:
    the unit's gradients are all there they are reduced (or, during accumulation without sync, left to
    accumulate), the sharded parameters are swapped back and level3 frees;
 4. end of backward (an autograd engine callback queued by the first hook of the pass): reduce
-   units that did not complete (unused parameters contribute zeros, so every rank issues the same
-   collectives), finish async reductions, free what is still gathered.
-Every rank must run the same units in the same order, as with FSDP2.
+   units that did not complete. Which of their parameters got a gradient on some rank is agreed first
+   (one small all-reduce of flags over the data-parallel ranks); those are reduced (zeros where a rank
+   did not use them), and a parameter no rank used keeps `grad is None`, as on one device. Then async
+   reductions are finished and what is still gathered is freed.
+Every rank must run the same units in the same order, as with FSDP2. Every collective goes through
+redistribute/collectives.py (counted by `comm_counter`, compared in check mode, `CollectiveError` on a
+failure).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from ...redistribute import collectives
 from .reduce import Reducer, make_buckets
 
 
@@ -82,8 +86,7 @@ class Unit:
         works, finishes, buffers, versions = self.inflight
         self.inflight = None
         for w in works:
-            if w is not None:
-                w.wait()
+            collectives.wait(w, "all_gather", "hsdp parameter gather", self.state.topo.gather_group)
         # Refilling a buffer is not an in-place edit of what autograd saved from it. c10d bumps the
         # version of an async output when any wait runs, so restore the versions seen at issue time.
         torch._C._autograd._unsafe_set_version_counter(buffers, versions)
@@ -162,8 +165,11 @@ class Unit:
         if self.seen == len(self.grad_params):
             self.finish_backward()
 
-    def finish_backward(self) -> None:
-        """All gradients of this unit are in: reduce them (when syncing) and free the parameters."""
+    def finish_backward(self, used: set | None = None) -> None:
+        """All gradients of this unit are in: reduce them (when syncing) and free the parameters.
+
+        `used`: at the end of backward, the parameters some rank computed a gradient for; the others are
+        left without one (`grad is None`), and a bucket holding none of them is not reduced at all."""
         state = self.state
         self.install_sharded()
         if state.level == 3 and not self.has_frozen:
@@ -172,7 +178,8 @@ class Unit:
             self.reduced = True
             with torch.no_grad():
                 for bucket in self.reduce_buckets:
-                    state.reducer.reduce(bucket)
+                    if used is None or any(p in used for p in bucket.params):
+                        state.reducer.reduce(bucket, used)
 
 
 def _gather_buckets(params: list, fusion: bool, bucket_bytes: float) -> list:
@@ -198,7 +205,7 @@ def _gather(bucket: list, group, async_op: bool):
         p = bucket[0]
         inp = p.gather_input()
         with p.keep_version():
-            work = dist.all_gather_single(p.buffer, inp, group=group, async_op=async_op)
+            work = collectives.all_gather_into(p.buffer, inp, group, async_op)
 
         def finish():
             p.mark_gathered()
@@ -206,7 +213,7 @@ def _gather(bucket: list, group, async_op: bool):
     sizes = [p.step * p.row for p in bucket]
     inp = torch.cat([p.gather_input() for p in bucket])
     out = inp.new_empty(S * inp.numel())
-    work = dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    work = collectives.all_gather_into(out, inp, group, async_op)
 
     def finish():
         rows = out.view(S, -1)
@@ -270,6 +277,16 @@ class HsdpState:
         return None
 
     # ---- backward ------------------------------------------------------------------------
+    def used_anywhere(self, params: list) -> set:
+        """The parameters of `params` that got a gradient on at least one data-parallel rank: flags
+        max-reduced over the shard and replica groups (one small all-reduce each)."""
+        flags = torch.tensor([p.compute.grad is not None for p in params], dtype=torch.int32,
+                             device=self.params[0].buffer.device if self.params else None)
+        for group in (self.topo.reduce_shard_group, self.topo.reduce_replicate_group):
+            if group is not None:
+                collectives.all_reduce_(flags, group, op="max")
+        return {p for p, flag in zip(params, flags.tolist()) if flag}
+
     def backward_started(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
@@ -282,9 +299,11 @@ class HsdpState:
         for u in list(reversed(self.order)) + self.units:
             if u not in ordered:
                 ordered.append(u)
-        for u in ordered:
-            if self.sync and u.grad_params and not u.reduced:
-                u.finish_backward()
+        incomplete = [u for u in ordered if self.sync and u.grad_params and not u.reduced]
+        if incomplete:
+            used = self.used_anywhere([p for u in incomplete for p in u.grad_params])
+            for u in incomplete:
+                u.finish_backward(used)
         self.reducer.flush()
         for u in self.units:
             u.seen = 0

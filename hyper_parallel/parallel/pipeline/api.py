@@ -3,22 +3,24 @@
     mesh = init_device_mesh("cpu", (2, 2), ("pp", "dp"))
     pipe = pipeline(model, mesh, schedule="1f1b", n_microbatches=4, hsdp={})
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-    loss = pipe.step(input_ids, labels=labels)     # same global batch on every rank; loss on every rank
+    loss = pipe.step(input_ids, labels=labels)     # this rank's micro-batch (API §12); loss on every rank
     opt.step(); opt.zero_grad()
 
 What happens (top to bottom in `pipeline`): the model is cut into pp * stages_per_rank stages along its
 decoder layer list (cut.py); each rank keeps the stages the schedule gives it and drops every other
-module; each stage is parallelised over the mesh's other axes (`shard` on "tp", `hsdp` on "dp"); torch's
-PipelineStage objects run the stages over the pp axis's process group, driven by the chosen torch schedule.
-The loss function sums token cross-entropies and divides by the global count of valid tokens, so the
-loss and the gradients equal one device's `model(input_ids, labels=labels).loss` on the whole batch,
-whatever the micro-batching or the padding (-100 labels).
+module; each stage is parallelised over the mesh's other axes with `parallelize`'s own steps (`shard` on
+"tp", expert parallel on "ep", `context_parallel` on "cp", `hsdp` on "dp"); torch's PipelineStage
+objects run the stages over the pp axis's process group, driven by the chosen torch schedule. The ranks
+of one pp group feed the same micro-batch, each data-parallel ("dp", "ep") rank its own share; the
+first stage splits it as the stage's parallelisms say, and what crosses a stage boundary is each rank's
+local piece of the hidden state. The loss function sums token cross-entropies and divides by the count
+of valid tokens of the global batch, so the loss and the gradients equal one device's
+`model(input_ids, labels=labels).loss` on the whole batch, whatever the micro-batching or the padding.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
-
 import itertools
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from ...layout.mesh import DeviceMesh
-from .._applied import record_applied
+from ...redistribute import collectives
+from ...redistribute import check as _check
+from .. import feed
+from ..dims import CP, DP, EP, TP, ParallelDims
 from ..shard import init_parameters
+from ..surgery import export, record_applied
 from . import cut
 from .state import stage_owner_meshes, whole_state_dict
 
@@ -44,6 +50,7 @@ SCHEDULES: dict[str, tuple[str, str]] = {
 }
 _SINGLE_STAGE = {"gpipe", "1f1b"}
 IGNORE_INDEX = -100
+STAGE_ARGUMENTS = ("tp", "ep", "cp", "hsdp")
 
 
 def stage_rank(stage: int, pp: int, style: str) -> int:
@@ -61,13 +68,27 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: 
     schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb" (stages_per_rank >= 1)
     or "zbv" (stages_per_rank == 2). split_points: the first layer of stages 1.. (indices or names like
     "model.layers.4"); by default stages are balanced by parameter count. parallelize_kwargs: `tp=`
-    (a `shard` plan, "auto" for the model's own) and `hsdp=` (a dict of `hsdp` arguments), given to
-    `hyper_parallel.parallelize` for every stage over the mesh's other axes ("tp", "dp"). The model is pruned in place: afterwards it holds only
-    this rank's stages.
+    (a `shard` plan, "auto" for the model's own), `ep=`, `cp=` (context-parallel method) and `hsdp=` (a dict
+    of `hsdp` arguments), as `hyper_parallel.parallelize` takes them, applied to every stage over the mesh's
+    other axes ("tp", "ep", "cp", "dp"). The model is pruned in place: afterwards it holds only this rank's
+    stages. A model on the meta device gets memory for this rank's stages only (random values, as
+    `init_parameters` gives; `from_pretrained` loads them instead).
     """
+    return build_pipeline(model, mesh, axis, schedule=schedule, n_microbatches=n_microbatches,
+                          stages_per_rank=stages_per_rank, split_points=split_points,
+                          initialize=True, **parallelize_kwargs)
+
+
+def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: str = "1f1b",
+                   n_microbatches: int = 4, stages_per_rank: int = 1, split_points=None, initialize: bool = True,
+                   **parallelize_kwargs: Any) -> "Pipeline":
+    """`pipeline`'s body; `initialize=False` leaves a meta model's stages on the meta device, laid out (for
+    `from_pretrained`, which allocates each rank's pieces and reads them from the folder)."""
+    dims = ParallelDims.of(mesh, "pipeline", allow_other_axes=True)
     recipe = cut.recipe_for(model)
     pp = mesh.size(axis)
     _check_arguments(model, schedule, n_microbatches, stages_per_rank, pp)
+    stage_dims = _check_parallelize_kwargs(dims, axis, parallelize_kwargs)
     style = SCHEDULES[schedule][1]
     n_stages = pp * stages_per_rank
 
@@ -84,14 +105,13 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: 
 
     whole_meta = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
     key_owner = _key_owners(whole_meta, specs, owner, recipe)
-    _check_parallelize_kwargs(mesh, axis, parallelize_kwargs)
 
     cut.prune(model, recipe, {i for spec in mine for i in spec.layers},
               any(s.first for s in mine), any(s.last for s in mine))
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+    if initialize and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         init_parameters(model)   # a meta build: materialise only this rank's stages
     views = [cut.stage_view(model, recipe, spec) for spec in mine]
-    _parallelize_stages(model, views, mesh, axis, parallelize_kwargs)
+    _parallelize_stages(model, views, stage_dims, parallelize_kwargs)
 
     pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, recipe, key_owner, whole_meta)
     layout = ", ".join(f"stage {s.index}: layers {s.layers.start}-{s.layers.stop - 1} on {axis}={owner[s.index]}"
@@ -123,42 +143,42 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
                          f"config.tie_word_embeddings=False) before pipeline()")
 
 
-def _stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh | None:
-    """The mesh's other axes (this rank's pp coordinate), over which each stage is parallelised."""
-    others = tuple(n for n in mesh.mesh_dim_names if n != axis)
-    return mesh[others] if others else None
-
-
-def _check_parallelize_kwargs(mesh: DeviceMesh, axis: str, kwargs: dict) -> None:
-    """parallelize's own request check on the stage mesh, before anything changes."""
-    unknown = set(kwargs) - {"tp", "hsdp"}
+def _check_parallelize_kwargs(dims: ParallelDims, axis: str, kwargs: dict) -> ParallelDims | None:
+    """parallelize's own request check on the stage mesh (the mesh without `axis`), before anything changes;
+    returns the stage mesh's dims (None: the mesh is the pp axis alone)."""
+    unknown = set(kwargs) - set(STAGE_ARGUMENTS)
     if unknown:
-        raise ValueError(f"pipeline: unknown arguments {sorted(unknown)}; parallelize_kwargs takes tp= and hsdp= "
-                         f"(applied by hyper_parallel.parallelize to each stage)")
-    stage_mesh = _stage_mesh(mesh, axis)
-    if stage_mesh is None:
-        if kwargs.get("hsdp") is not None or kwargs.get("tp") not in (None, "auto"):
-            raise ValueError(f"pipeline: {sorted(kwargs)} need 'dp'/'tp' axes beside {axis!r}; the mesh has "
-                             f"{mesh.mesh_dim_names}")
-        return
+        raise ValueError(f"pipeline: unknown arguments {sorted(unknown)}; besides its own, pipeline takes "
+                         f"{', '.join(a + '=' for a in STAGE_ARGUMENTS)} (applied by hyper_parallel.parallelize to "
+                         f"each stage)")
+    stage_mesh = dims.without(axis)
     from ..parallelize import check_request
-    check_request(stage_mesh, **kwargs)
+    if stage_mesh is None:
+        asked = [k for k, v in kwargs.items() if v not in (None, False) and not (k == "tp" and v == "auto")]
+        if asked:
+            raise ValueError(f"pipeline: {sorted(asked)} need 'dp'/'tp'/'ep'/'cp' axes beside {axis!r}; the mesh "
+                             f"has {dims.names}")
+        return None
+    stage_dims = ParallelDims.of(stage_mesh, "pipeline")
+    check_request(stage_dims, where="pipeline", **kwargs)
+    return stage_dims
 
 
-def _parallelize_stages(model: nn.Module, views: list, mesh: DeviceMesh, axis: str, kwargs: dict) -> None:
-    """`parallelize` each stage over the mesh's other axes: shard on "tp", then hsdp on "dp".
+def _parallelize_stages(model: nn.Module, views: list, stage_dims: ParallelDims | None, kwargs: dict) -> None:
+    """`parallelize` each stage over the mesh's other axes: shard on "tp", experts on "ep", the sequence on
+    "cp", then hsdp on "dp".
 
     Stage by stage, not the whole pruned model: every stage is a root the schedule calls, so hsdp's
-    root hooks must sit on it; the stages share no parameters, so each is sharded once. What each
+    root hooks must sit on it; the stages share no parameters, so each is laid out once. What each
     applied is noted on the model too (for `summary`).
     """
-    stage_mesh = _stage_mesh(mesh, axis)
-    if stage_mesh is None:
+    if stage_dims is None:
         return
-    from ..parallelize import parallelize
+    from ..parallelize import apply_parallelisms
     applied = model.__dict__.setdefault("_hp_applied", [])
+    kwargs = {k: v for k, v in kwargs.items() if k != "ep"}
     for view in views:
-        parallelize(view, stage_mesh, **kwargs)
+        apply_parallelisms(view, stage_dims, **kwargs)
         applied += [text for text in view.__dict__.get("_hp_applied", []) if text not in applied]
 
 
@@ -195,9 +215,18 @@ class Pipeline:
         self.recipe = recipe
         self.pp = mesh.size(axis)
         self.group = mesh.get_group(axis)
-        self.dp = mesh.size("dp") if "dp" in mesh.mesh_dim_names else 1
-        self.dp_group = mesh.get_group("dp") if self.dp > 1 else None
-        self.dp_rank = mesh.get_local_rank("dp") if self.dp > 1 else 0
+        dims = ParallelDims.of(mesh, "pipeline", allow_other_axes=True)
+        self.dp = dims.size(DP)  # hsdp averages gradients over "dp": each rank's loss is scaled back up by it
+        # the ranks whose losses are pieces of the global one: data shares ("dp", "ep") and sequence chunks ("cp")
+        self._piece_groups = [mesh.get_group(a) for a in (DP, EP, CP) if dims.size(a) > 1]
+        self._data_groups = [mesh.get_group(a) for a in (DP, EP) if dims.size(a) > 1]
+        self.cp, self.cp_rank = dims.size(CP), dims.coordinate(CP)
+        self.cp_group = mesh.get_group(CP) if self.cp > 1 else None
+        # what the ranks feed: the same micro-batch over pp, "tp" and "cp", equal-shaped shares over "ep"
+        self._feed = feed.Feed(mesh.root, same_feed_axes={axis, TP, CP} & set(mesh.root.mesh_dim_names),
+                               equal_share_axes={EP} & set(mesh.root.mesh_dim_names))
+        first_feed = feed.feed_of(views[0]) if views else None
+        self._stage_refusals = [s.refuse for s in first_feed.steps] if first_feed is not None else []
         self.device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device(mesh.device_type)
         n_stages = specs[0].n_stages
@@ -228,8 +257,7 @@ class Pipeline:
     def save_pretrained(self, path, *, max_shard_size: int | str = "50GB", overwrite: bool = True) -> None:
         """The whole model as a standard Hugging Face folder (every rank calls it): each tensor is sent to
         rank 0 by its stage's owners, so plain transformers loads the folder on one device."""
-        from ...checkpoint.hf import export_hf
-        export_hf(self.model, path, overwrite=overwrite, max_shard_size=max_shard_size, state_dict=self.state_dict())
+        export(self, path, overwrite=overwrite, max_shard_size=max_shard_size)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Load a whole-model state dict (plain tensors): each rank takes its stages' entries."""
@@ -249,72 +277,99 @@ class Pipeline:
 
     # ---- running --------------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
-        """Forward and backward over the micro-batches; the loss (one-device value) on every rank.
+        """Forward and backward over the micro-batches; the loss of the global batch on every rank.
 
-        Every rank passes the same global batch; each dp replica runs its share. Gradients accumulate
-        into the parameters' `.grad` (call the optimizer's zero_grad between steps, as usual).
+        Each rank passes its own micro-batch (API §12): the ranks of one pp, "tp" or "cp" group the same
+        one, each data-parallel rank its share. Gradients accumulate into the parameters' `.grad` (call the
+        optimizer's zero_grad between steps, as usual).
         """
-        if labels is None:
-            raise ValueError("Pipeline.step needs labels= (the loss is computed on the last stage)")
+        self._check_feed("Pipeline.step", input_ids, labels, inputs, need_labels=True)
         shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        self._valid_tokens = max(int((shift != IGNORE_INDEX).sum()), 1)
-        # hsdp averages gradients over the dp replicas: scale each replica's share back up to a sum
+        valid = (shift != IGNORE_INDEX).sum().to(torch.float32).reshape(1).to(self.device)
+        for group in self._data_groups:   # the valid tokens of the global batch
+            collectives.all_reduce_(valid, group)
+        self._valid_tokens = max(float(valid), 1.0)
         self._loss_scale = float(self.dp)
-        ids, labels, inputs = self._dp_share(input_ids, labels, inputs)
-        schedule = self._schedule(tuple(ids.shape), train=True)
+        schedule = self._schedule(tuple(input_ids.shape), train=True)
         losses: list = []
-        args = (ids,) if self._has_first() else ()
-        schedule.step(*args, target=labels, losses=losses, return_outputs=False, **inputs)
+        args = (input_ids,) if self._has_first() else ()
+        self._run(schedule, args, dict(input_ids=input_ids, **inputs), target=labels, losses=losses,
+                  return_outputs=False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:
             total = torch.stack([loss.detach().float() for loss in losses]).sum() / self._loss_scale
-        if self.dp_group is not None:
-            dist.all_reduce(total, group=self.dp_group)
+        for group in self._piece_groups:
+            collectives.all_reduce_(total, group)
         return self._from_last(total)
 
     @torch.no_grad()
     def eval_forward(self, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        """Logits of the whole batch, on every rank (forward only, through the same stages)."""
-        ids, _, inputs = self._dp_share(input_ids, None, inputs)
-        schedule = self._schedule(tuple(ids.shape), train=False)
-        args = (ids,) if self._has_first() else ()
-        out = schedule.step(*args, **inputs)
+        """Logits of this rank's micro-batch, on every rank (forward only, through the same stages)."""
+        self._check_feed("Pipeline.eval_forward", input_ids, None, inputs, need_labels=False)
+        schedule = self._schedule(tuple(input_ids.shape), train=False)
+        args = (input_ids,) if self._has_first() else ()
+        out = self._run(schedule, args, dict(input_ids=input_ids, **inputs))
         vocab = self.model.config.vocab_size
-        logits = out if out is not None else torch.zeros(*ids.shape, vocab, device=self.device)
+        shape = (input_ids.shape[0], input_ids.shape[1] // self.cp, vocab)
+        logits = out if out is not None else torch.zeros(shape, device=self.device)
         logits = self._from_last(logits.float().contiguous())
-        if self.dp_group is not None:
-            parts = [torch.empty_like(logits) for _ in range(self.dp)]
-            dist.all_gather(parts, logits, group=self.dp_group)
-            logits = torch.cat(parts)
+        if self.cp_group is not None:  # each cp rank holds a chunk of the sequence
+            logits = collectives.all_gather(logits, 1, self.cp_group, [logits.shape[1]] * self.cp)
         return logits
 
     # ---- helpers ----------------------------------------------------------------------------------------
     def _has_first(self) -> bool:
         return any(s.first for s in self.specs)
 
-    def _dp_share(self, input_ids: torch.Tensor, labels, inputs: dict):
+    def _check_feed(self, call: str, input_ids, labels, inputs: dict, need_labels: bool) -> None:
+        """Every rank's inputs compared and refused alike, before any stage runs (feed.py)."""
+        named = {"input_ids": input_ids, **inputs}
+        if labels is not None:
+            named["labels"] = labels
+        refusals = [lambda _: self._refuse(call, input_ids, labels, inputs, need_labels)] + self._stage_refusals
+        feed.check_feed(self._feed, named, refusals, call=call)
+
+    def _refuse(self, call: str, input_ids, labels, inputs: dict, need_labels: bool) -> str | None:
+        """Why this rank's inputs cannot run through the pipeline (local shapes only), or None."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            return f"{call}: input_ids must be a (batch, sequence) tensor, got {getattr(input_ids, 'shape', input_ids)}"
         batch = input_ids.shape[0]
-        if batch % (self.dp * self.n_microbatches):
-            raise ValueError(f"Pipeline: batch {batch} must divide into dp={self.dp} replicas x "
-                             f"n_microbatches={self.n_microbatches} equal micro-batches")
+        if need_labels and labels is None:
+            return f"{call} needs labels= (the loss is computed on the last stage)"
+        if labels is not None and (not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(input_ids.shape)):
+            return (f"{call}: labels of shape {tuple(getattr(labels, 'shape', ()))} do not match input_ids "
+                    f"{tuple(input_ids.shape)}; give one label per token (-100 where no loss is wanted)")
+        if batch % self.n_microbatches:
+            return (f"{call}: this rank's batch of {batch} rows must divide into n_microbatches="
+                    f"{self.n_microbatches} equal micro-batches")
         for name, value in inputs.items():
             if not isinstance(value, torch.Tensor) or value.shape[:1] != (batch,):
-                raise ValueError(f"Pipeline: input {name!r} must be a tensor with the batch ({batch}) first; "
-                                 f"got {type(value).__name__} {getattr(value, 'shape', '')}")
-        share = batch // self.dp
-        cut_ = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
-        return (input_ids[cut_], None if labels is None else labels[cut_],
-                {k: v[cut_] for k, v in inputs.items()})
+                return (f"{call}: input {name!r} must be a tensor with the batch ({batch}) first; got "
+                        f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
+        return None
+
+    def _run(self, schedule, args: tuple, kwargs: dict, **extra):
+        """The torch schedule's step; a failed send or receive (a peer gone, a timeout) is a CollectiveError."""
+        try:
+            return schedule.step(*args, **kwargs, **extra)
+        except RuntimeError as e:
+            if "NCCL" not in str(e) and "Gloo" not in str(e) and "gloo" not in str(e) and "timed out" not in str(e):
+                raise
+            raise _check.CollectiveError(_check.failure_message("pipeline send/recv", self.schedule_name,
+                                                                self.group, e)) from e
 
     def _from_last(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast a tensor from the pp rank holding the last stage to every pp rank."""
         if self.group is not None:
-            dist.broadcast(t, group=self.group, group_src=self.last_owner)
+            collectives.broadcast(t, dist.get_global_rank(self.group, self.last_owner), self.group)
         return t
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy over the global count of valid tokens (transformers' shift)."""
+        """Summed token cross-entropy over the global count of valid tokens (transformers' shift). With "cp"
+        the logits are this rank's chunk of the sequence (plain order), so the labels are cut the same way."""
         shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        if self.cp > 1:
+            shift = shift.chunk(self.cp, dim=1)[self.cp_rank]
         total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         return total * (self._loss_scale / self._valid_tokens)
@@ -329,7 +384,7 @@ class Pipeline:
         """
         key = (batch_shape, train)
         if key not in self._schedules:
-            stages = [PipelineStage(view, spec.index, spec.n_stages, self.device, group=self.group)
+            stages = [CountedStage(view, spec.index, spec.n_stages, self.device, group=self.group)
                       for view, spec in zip(self.stages, self.specs)]
             if train:
                 cls = getattr(torch_schedules, SCHEDULES[self.schedule_name][0])
@@ -343,6 +398,17 @@ class Pipeline:
     def __repr__(self) -> str:
         stages = ", ".join(f"{s.index} (layers {s.layers.start}-{s.layers.stop - 1})" for s in self.specs)
         return f"Pipeline({self.schedule_name}, {self.n_microbatches} micro-batches, stages {stages})"
+
+
+class CountedStage(PipelineStage):
+    """torch's PipelineStage whose sends are counted by `comm_counter` (collectives.record_p2p): torch's
+    schedules post the stage's P2P operations themselves."""
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        return collectives.record_p2p(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        return collectives.record_p2p(super().get_bwd_send_ops(bwd_chunk_id))
 
 
 def _forward_only(stages: list, n_microbatches: int, pp: int, style: str):

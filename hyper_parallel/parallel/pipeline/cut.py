@@ -17,6 +17,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ...dtensor.dtensor import DTensor
+from ..feed import feed_of
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -213,12 +216,26 @@ def _stage_class(cls: type) -> type:
     return _STAGE_CLASSES[cls]
 
 
-def stage_forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """input_ids (first stage) or the previous stage's hidden state -> hidden state, or logits (last)."""
+def stage_forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
+                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """input_ids (first stage) or the previous stage's local piece of the hidden state -> this rank's
+    piece of the hidden state, or of the logits (last stage).
+
+    Every stage receives the micro-batch's `input_ids` too: the stage's input steps (expert parallel's
+    batch shares, context parallel's sequence split; feed.py) run on them, giving the split masks and
+    positions and the layout of the tokens, which the hidden state piece received from the previous stage
+    is wrapped in."""
     recipe, spec = self.__dict__["_hp_stage"]
     base = getattr(self, recipe.base)
-    hidden = getattr(base, recipe.embed)(x) if spec.first else x
+    ids = x if spec.first else input_ids
+    inputs = {k: v for k, v in (("input_ids", ids), ("attention_mask", attention_mask),
+                                ("position_ids", position_ids)) if v is not None}
+    stage_feed = feed_of(self)
+    steps = stage_feed.steps if stage_feed is not None else []
+    for step in steps:
+        _, inputs = step.apply(self, (), inputs)
+    ids, attention_mask, position_ids = (inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids"))
+    hidden = getattr(base, recipe.embed)(ids) if spec.first else _enter(x, ids)
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     masks = _masks(recipe, self.config, hidden, attention_mask, position_ids)
@@ -228,15 +245,31 @@ def stage_forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = N
         hidden = layers[i](hidden, attention_mask=masks[i], position_embeddings=position_embeddings,
                            position_ids=position_ids, use_cache=False)
     if spec.last:
+        for step in steps:
+            restore = getattr(step, "restore_order", None)
+            hidden = restore(hidden) if restore is not None else hidden
         hidden = getattr(self, recipe.head)(getattr(base, recipe.norm)(hidden))
-    return _plain(hidden)
+    return _leave(hidden)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """What crosses a stage boundary is a plain tensor (torch's P2P knows nothing of our DTensors)."""
-    from ...dtensor.dtensor import DTensor
+def _enter(x: torch.Tensor, ids) -> torch.Tensor:
+    """The hidden state piece received from the previous stage, as the DTensor it was there: laid out as
+    the split tokens are (batch over "ep", sequence over "cp"), the hidden dim whole. Plain when the
+    tokens are (tensor parallel alone: the hidden state between layers is whole on every rank)."""
+    if not isinstance(ids, DTensor):
+        return x
+    layout = ids.dist_layout
+    hidden_layout = layout.with_map(tuple(layout.tensor_map) + ((),), layout.partial)
+    return DTensor.from_local(x, hidden_layout, shape=tuple(ids.shape) + (x.shape[-1],))
+
+
+def _leave(t: torch.Tensor) -> torch.Tensor:
+    """What crosses a stage boundary is this rank's local piece, a plain tensor (torch's P2P knows nothing of
+    our DTensors): a pending sum is reduced first, a split stays split."""
     if isinstance(t, DTensor):
-        return t.full_tensor()
+        if t.dist_layout.has_partial:
+            t = t.redistribute(t.dist_layout.without_partial())
+        return t.to_local()
     return t
 
 

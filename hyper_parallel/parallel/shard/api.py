@@ -20,14 +20,12 @@ from ...dtensor.autograd import Wrap, local_input
 from ...dtensor.dtensor import DTensor, make_dtensor
 from ...layout.layout import Layout, PlacementLayout, replicate_layout
 from ...layout.mesh import DeviceMesh, ensure_process_group, get_mesh
-from ...redistribute import collectives
-from ...redistribute.planner import redistribute_local
-from .._applied import record_applied
-from .._model import bind_save_pretrained, refuse_foreign_dtensors
-from .plan import (Boundary, Resolved, ShardingPlan, auto_plan, check_heads, resolve_sharding_plan,
-                   resolve_styles, tp_size)
-
-TP, DP = "tp", "dp"
+from .. import feed
+from ..dims import TP, ParallelDims
+from ..surgery import (bind_save_pretrained, distribute_parameter, lay_out_parameters, move, record_applied,
+                       refuse_foreign_dtensors, replicated_elsewhere, local_experts)
+from .plan import (Boundary, Resolved, ShardingPlan, auto_plan, check_heads, replicate_below,
+                   resolve_sharding_plan, resolve_styles, tp_size)
 
 
 def shard(model: nn.Module, plan: Any, mesh: DeviceMesh | Layout | None = None, *,
@@ -45,11 +43,22 @@ def shard(model: nn.Module, plan: Any, mesh: DeviceMesh | Layout | None = None, 
     agree; None skips it (every rank already holds the same weights, or they are on the meta device).
     """
     refuse_foreign_dtensors(model, "shard")
+    return tensor_parallel(model, plan, mesh, src_data_rank=src_data_rank)
+
+
+def tensor_parallel(model: nn.Module, plan: Any, mesh: DeviceMesh | Layout | None, *,
+                    src_data_rank: int | None = 0, leave: tuple = ()) -> nn.Module:
+    """`shard`'s body; `leave`: module names another parallelism owns (expert parallel's experts modules),
+    whose plan entries are dropped: their parameters stay replicated for that parallelism to lay out."""
     mesh, tp_mesh = _resolve_mesh(plan, mesh)
     res = _resolve(model, plan, mesh, tp_mesh)
+    for name in leave:
+        replicate_below(res, name)
     _lay_out_parameters(model, res, src_data_rank)
     _install_boundaries(model, res)
     _install_experts(model, res)
+    tp_axes = (TP,) if TP in mesh.mesh_dim_names else mesh.mesh_dim_names if mesh.ndim == 1 else ()
+    feed.register(model, tp_mesh or mesh, same_feed=tp_axes)
     _report(model, plan, tp_mesh or mesh)
     bind_save_pretrained(model)
     return model
@@ -95,21 +104,12 @@ def _resolve_mesh(plan, mesh):
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"shard: mesh must be a DeviceMesh or a Layout, got {type(mesh).__name__}")
     if TP in mesh.mesh_dim_names:
-        tp_mesh = model_mesh(mesh)
+        tp_mesh = ParallelDims.of(mesh, "shard", allow_other_axes=True).model_mesh
     elif mesh.ndim == 1:
         tp_mesh = mesh  # any 1-D mesh is the tensor-parallel axis, as for torch's parallelize_module
     else:
         tp_mesh = None
     return mesh, tp_mesh
-
-
-def model_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh the model's own parallelisms (tp, ep, cp) lay parameters out on: `mesh` without its "dp"
-    axis. Style plans split on its "tp" axis and replicate on the others (e.g. ("cp", "tp")), so that
-    expert and context parallelism, given the same mesh, find every parameter on it; the "dp" axis is
-    left to `hsdp`, which shards over it whatever sub-mesh the parameters live on."""
-    names = tuple(n for n in mesh.mesh_dim_names if n != DP)
-    return mesh if names == mesh.mesh_dim_names else mesh[names]
 
 
 def _mesh_in_plan(plan):
@@ -151,62 +151,12 @@ def _lay_out_parameters(model: nn.Module, res: Resolved, src_data_rank: int | No
     Replicated ones matter too: their gradients are then summed over the ranks wherever the
     computation using them is split (e.g. Qwen3's per-head q_norm), with no special style.
     """
-    owners: dict = {}   # id(param) -> (param, [(module, attr, full name)])
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pn, p in module._parameters.items():
-            if p is not None:
-                full = f"{mname}.{pn}" if mname else pn
-                owners.setdefault(id(p), (p, []))[1].append((module, pn, full))
-    for p, uses in owners.values():
-        planned = {}
-        for _, _, full in uses:
-            fn = res.params.get(full)
-            if fn is not None:
-                planned[full] = fn(p.ndim)
-        layouts = set(planned.values())
-        if len(layouts) > 1:
-            detail = ", ".join(f"{n} -> {lay.alias_entries()} ({res.sources.get(n)})" for n, lay in planned.items())
-            raise ValueError(f"tied parameter planned with different layouts: {detail}")
-        mesh = _mesh_of(res, planned)
-        layout = layouts.pop() if layouts else replicate_layout(mesh, p.ndim)
-        new = distribute_parameter(p, layout, src_data_rank)
-        for module, pn, _ in uses:
-            module._parameters[pn] = new
+    def layout_of(name: str, p: nn.Parameter):
+        planned = res.params.get(name)
+        return planned(p.ndim) if planned is not None else None
 
-
-def _mesh_of(res: Resolved, planned: dict) -> DeviceMesh:
-    for lay in planned.values():
-        return lay.mesh
-    return res.mesh
-
-
-def distribute_parameter(p: Tensor, layout: Layout, src_data_rank: int | None = 0) -> nn.Parameter:
-    """nn.Parameter(DTensor) holding this rank's piece of `p` (a meta `p` gives a meta piece)."""
-    if isinstance(p, DTensor):
-        if p.device_mesh is not layout.mesh:
-            raise ValueError(f"parameter already lives on mesh {p.device_mesh}; cannot move it to {layout.mesh}")
-        with torch.no_grad():
-            dt = p.detach().redistribute(layout)
-        return nn.Parameter(dt, requires_grad=p.requires_grad)
-    full = p.detach()
-    shape = tuple(full.shape)
-    if full.is_meta:
-        local = torch.empty(layout.local_shape(shape), dtype=full.dtype, device="meta")
-    else:
-        if src_data_rank is not None and layout.mesh.distributed:
-            full = _broadcast_from_first(full.contiguous(), layout.mesh)
-        local = redistribute_local(full, replicate_layout(layout.mesh, full.ndim), layout, shape)
-        if local is not full:
-            local = local.clone(memory_format=torch.contiguous_format)  # own memory: the full tensor can go
-    return nn.Parameter(make_dtensor(local, layout, shape), requires_grad=p.requires_grad)
-
-
-def _broadcast_from_first(t: Tensor, mesh: DeviceMesh) -> Tensor:
-    for axis in range(mesh.ndim):
-        group = mesh.get_group(axis)
-        if group is not None:
-            t = collectives.broadcast(t, dist.get_global_rank(group, 0), group=group)
-    return t
+    lay_out_parameters(model, layout_of, default=replicated_elsewhere(res.mesh), src_data_rank=src_data_rank,
+                       where="shard")
 
 
 # ---- module boundaries --------------------------------------------------------------------------
@@ -216,24 +166,6 @@ def _install_boundaries(model: nn.Module, res: Resolved) -> None:
         modules[name].register_forward_pre_hook(_input_hook(boundary, name or "<root>"), with_kwargs=True)
     for name, boundary in res.outputs.items():
         modules[name].register_forward_hook(_output_hook(boundary, name or "<root>"))
-
-
-def move(x: Tensor, layout_fn, where: str) -> DTensor:
-    """`x` in the layout `layout_fn(x.ndim)`; a plain tensor is the replicated value it holds."""
-    layout = layout_fn(x.ndim)
-    mesh = layout.mesh
-    if isinstance(x, DTensor):
-        if x.device_mesh is not mesh:
-            raise ValueError(f"{where}: the tensor lives on mesh {x.device_mesh}, but the module is sharded "
-                             f"on {mesh}; redistribute it onto that mesh first")
-        tp_axis = getattr(layout_fn, "tp_axis", None)
-        if tp_axis is not None:  # a style moves only the tp axis: other axes keep their split (cp's sequence)
-            placements = list(x.dist_layout.placements)
-            placements[tp_axis] = layout_fn.placement
-            layout = Layout.from_placements(mesh, placements, x.ndim)
-        return x if x.dist_layout is layout else x.redistribute(layout)
-    dt = DTensor.from_local(x, replicate_layout(mesh, x.ndim))
-    return dt if layout.is_replicate else dt.redistribute(layout)
 
 
 def _input_hook(b: Boundary, where: str):
@@ -295,6 +227,7 @@ def _install_experts(model: nn.Module, res: Resolved) -> None:
     for name in res.experts:
         module = modules[name]
         module.forward = _experts_forward(module, module.forward, name)
+        module.__dict__["_hp_experts_split"] = "tp"
 
 
 def _experts_forward(module: nn.Module, original, where: str):
@@ -329,23 +262,9 @@ def _experts_forward(module: nn.Module, original, where: str):
             weights = _local_input(bound.arguments[weight_name], mesh, axis)
             bound.arguments[weight_name] = weights.masked_fill(off, 0)
         bound.arguments[hidden_name] = hidden
-        saved_n = getattr(module, "num_experts", None)
-        saved_ep = getattr(module, "_is_expert_parallel", None)
-        try:
-            for pn, p in params.items():
-                module._parameters[pn] = p.to_local() if isinstance(p, DTensor) else p
-            if saved_n == n_total:
-                module.num_experts = n_local
-            if saved_ep is not None:  # transformers' kernels then zero the rows of routes to other ranks
-                module._is_expert_parallel = True
+        locals_ = {pn: p.to_local() if isinstance(p, DTensor) else p for pn, p in params.items()}
+        with local_experts(module, locals_, n_total, n_local, expert_parallel_flag=True):
             out = original(*bound.args, **bound.kwargs)
-        finally:
-            for pn, p in params.items():
-                module._parameters[pn] = p
-            if saved_n is not None:
-                module.num_experts = saved_n
-            if saved_ep is not None:
-                module._is_expert_parallel = saved_ep
         rep = replicate_layout(mesh, out.ndim)
         partial = rep.with_partial(mesh.mesh_dim_names[axis]) if axis is not None else rep
         if torch.is_grad_enabled() and out.requires_grad:

@@ -25,6 +25,7 @@ from torch import nn
 from ...layout.layout import Layout, PlacementLayout
 from ...layout.mesh import DeviceMesh
 from ...layout.placement import Placement, Shard, REPLICATE
+from ..dims import TP
 
 
 @dataclass
@@ -89,9 +90,6 @@ def _spec_to_layout_fn(spec: Any, mesh: DeviceMesh, where: str) -> LayoutFn:
 def spec_to_layout_fn(spec: Any, mesh: DeviceMesh, where: str) -> LayoutFn:
     """A function of the tensor's rank giving its Layout; aliases are checked now, the rank at use."""
     return _memo(_spec_to_layout_fn(spec, mesh, where))
-
-
-TP = "tp"
 
 
 def tp_size(mesh: DeviceMesh) -> int:
@@ -451,7 +449,7 @@ def check_heads(model: nn.Module, res: Resolved, strict: bool = True) -> None:
                              f"key/value heads")
         uneven.setdefault(owner, msg)
     for owner in uneven:
-        _replicate_below(res, owner)
+        replicate_below(res, owner)
     if uneven:
         names = list(uneven)
         warnings.warn(f"shard(plan='auto'): {len(names)} attention module(s) run replicated on every rank "
@@ -459,15 +457,21 @@ def check_heads(model: nn.Module, res: Resolved, strict: bool = True) -> None:
                       f"the tensor-parallel ranks: {next(iter(uneven.values()))}", stacklevel=4)
 
 
-def _replicate_below(res: Resolved, owner: str) -> None:
-    """Drop every plan entry for the parameters and modules below `owner`: they stay replicated, unmoved."""
+def replicate_below(res: Resolved, owner: str) -> None:
+    """Drop every plan entry for `owner` and the parameters and modules below it: they stay replicated,
+    unmoved (attention whose heads do not divide; experts that expert parallelism owns)."""
     below = owner + "." if owner else ""
+
+    def inside(name: str) -> bool:
+        return name == owner or name.startswith(below)
+
     for table in (res.params, res.sources, res.inputs, res.outputs):
-        for key in [k for k in table if k.startswith(below)]:
+        for key in [k for k in table if inside(k)]:
             del table[key]
-    res.experts = {m for m in res.experts if not m.startswith(below)}
-    res.head_checks = [c for c in res.head_checks if not c[0].startswith(below)]
+    res.experts = {m for m in res.experts if not inside(m)}
+    res.head_checks = [c for c in res.head_checks if not inside(c[0])]
 
 
 __all__ = ["ShardingPlan", "STYLES", "sequence_parallel_plan", "Style", "Resolved", "Boundary", "auto_plan",
-           "resolve_styles", "resolve_sharding_plan", "spec_to_layout_fn", "check_heads", "path_matches", "tp_size"]
+           "resolve_styles", "resolve_sharding_plan", "spec_to_layout_fn", "check_heads", "path_matches", "tp_size",
+           "replicate_below"]

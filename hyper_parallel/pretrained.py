@@ -1,5 +1,9 @@
 """Hugging Face folders <-> parallel models in one call: `from_pretrained` and `save_pretrained`.
 
+This module sits above both `parallel` (which lays the model out) and `checkpoint` (which reads and writes
+the files); neither of those imports the other. A parallelized model's own `model.save_pretrained(path)`
+reaches `save_pretrained` here through `parallel.surgery.set_exporter`.
+
 `from_pretrained(path, mesh)` never builds the full model: the model is made from the config on the
 meta device, `parallelize`d there (tp, ep, cp, then hsdp: still meta), given memory for its local
 pieces only (hsdp's shards, `materialize` for the rest; computed buffers such as rotary frequencies
@@ -16,9 +20,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import CheckpointNotFoundError
-from .format import hf_weight_map
-from .hf import export_hf, load_hf
+from .checkpoint.errors import CheckpointNotFoundError
+from .checkpoint.format import hf_weight_map
+from .checkpoint.hf import export_hf, load_hf
+from .parallel import surgery
+from .parallel.dims import PP, ParallelDims
+from .parallel.parallelize import apply_parallelisms, check_request
+from .parallel.pipeline import Pipeline
+from .parallel.pipeline.api import build_pipeline
+from .parallel.shard.init import materialize
+from .parallel.surgery import refuse_foreign_dtensors
 
 # Arguments of transformers' save_pretrained that describe what it already is here (every rank calls,
 # safetensors always), so code written for it (Trainer, scripts) can pass them unchanged.
@@ -41,8 +52,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     if kwargs.get("state_dict") is not None:
         raise ValueError("save_pretrained(state_dict=...): a parallel model is saved from its own parameters; "
                          "load the state dict into the model first")
-    if not isinstance(model, nn.Module) and hasattr(model, "save_pretrained"):  # a Pipeline: its stages' parts
-        return model.save_pretrained(path, max_shard_size=max_shard_size, overwrite=overwrite)
+    if isinstance(model, Pipeline):  # each stage's tensors, sent to rank 0 by their owners
+        return export_hf(model.model, path, overwrite=overwrite, max_shard_size=max_shard_size,
+                         state_dict=model.state_dict())
     export_hf(model, path, overwrite=overwrite, max_shard_size=max_shard_size)
 
 
@@ -91,24 +103,33 @@ def _build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
         return cls.from_config(config, dtype=dtype)  # an Auto class
 
 
+PIPELINE_ARGUMENTS = ("schedule", "n_microbatches", "stages_per_rank", "split_points")
+
+
 def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtype: torch.dtype | None = None,
-                    **parallelize_kwargs) -> nn.Module:
+                    **parallelize_kwargs) -> nn.Module | Pipeline:
     """A parallel model from a Hugging Face folder, each rank reading only its slices; every rank calls it.
 
     Built from the config on the meta device (`auto_class` defaults to the class the config's
-    `architectures` names; pass e.g. `AutoModelForCausalLM` otherwise), `parallelize`d on `mesh` with
-    `parallelize_kwargs` (tp=, ep=, cp=, hsdp=), then each rank allocates its local pieces and reads them
-    from the folder's safetensors (one file or an indexed set). `dtype` defaults to the config's (as
-    transformers' dtype="auto"). Tied weights stay tied. Equals transformers' own `from_pretrained`
-    on one device, parallelized.
+    `architectures` names; pass e.g. `AutoModelForCausalLM` otherwise), laid out on `mesh` as
+    `parallelize` does with `parallelize_kwargs` (tp=, ep=, cp=, hsdp=), then each rank allocates its local
+    pieces and reads them from the folder's safetensors (one file or an indexed set). `dtype` defaults to
+    the config's (as transformers' dtype="auto"). Tied weights stay tied. Equals transformers' own
+    `from_pretrained` on one device, parallelized. On a mesh with a "pp" axis the result is the
+    `Pipeline` (`pipeline`'s schedule=, n_microbatches=, stages_per_rank=, split_points= are taken too),
+    and each rank reads only its stages' slices.
     """
-    from ..parallel.parallelize import check_request, data_parallel, model_parallel
-    from ..parallel.shard.init import materialize
     folder = Path(path).absolute()
-    if mesh is not None:
-        check_request(mesh, **parallelize_kwargs)
-    elif parallelize_kwargs:
-        raise ValueError(f"from_pretrained: {sorted(parallelize_kwargs)} need a mesh")
+    dims = ParallelDims.of(mesh, "from_pretrained") if mesh is not None else None
+    pipelined = dims is not None and dims.has(PP)
+    pipeline_kwargs = {k: parallelize_kwargs.pop(k) for k in PIPELINE_ARGUMENTS if k in parallelize_kwargs}
+    if dims is None and (parallelize_kwargs or pipeline_kwargs):
+        raise ValueError(f"from_pretrained: {sorted(parallelize_kwargs) + sorted(pipeline_kwargs)} need a mesh")
+    if pipeline_kwargs and not pipelined:
+        raise ValueError(f"from_pretrained: {sorted(pipeline_kwargs)} are pipeline arguments; the mesh has no 'pp' "
+                         f"axis ({dims.names})")
+    if dims is not None and not pipelined:
+        check_request(dims, where="from_pretrained", **parallelize_kwargs)
     config = _config(folder)
     cls = _model_class(config, auto_class)
     if dtype is None:
@@ -117,15 +138,25 @@ def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtyp
         dtype = dtype or _checkpoint_dtype(folder) or torch.float32
     model = _build_on_meta(cls, config, dtype)
     model.eval()  # as transformers' from_pretrained
-    if mesh is not None:
-        hsdp = parallelize_kwargs.pop("hsdp", None)
-        model_parallel(model, mesh, **parallelize_kwargs)
-        data_parallel(model, mesh, hsdp)
-    if hasattr(model, "materialize_hsdp"):
-        model.materialize_hsdp(_mesh_device(mesh))
+    if pipelined:
+        pipe = build_pipeline(model, mesh, PP, initialize=False, **pipeline_kwargs, **parallelize_kwargs)
+        _fill(pipe.model, pipe.stages, folder, mesh)
+        return pipe
+    if dims is not None:
+        refuse_foreign_dtensors(model, "from_pretrained")
+        apply_parallelisms(model, dims, **{k: v for k, v in parallelize_kwargs.items() if k != "ep"})
+    _fill(model, [model], folder, mesh)
+    return model
+
+
+def _fill(model: nn.Module, roots: list, folder: Path, mesh) -> None:
+    """Memory for each rank's local pieces of a model laid out on the meta device (hsdp's shards through
+    each hsdp root), then the values read from the folder."""
+    for root in roots:
+        if hasattr(root, "materialize_hsdp"):
+            root.materialize_hsdp(_mesh_device(mesh))
     materialize(model)
     load_hf(model, folder, strict=True)
-    return model
 
 
 def _mesh_device(mesh) -> torch.device:
@@ -133,5 +164,7 @@ def _mesh_device(mesh) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
 
+
+surgery.set_exporter(save_pretrained)
 
 __all__ = ["from_pretrained", "save_pretrained"]
