@@ -85,29 +85,39 @@ def _find_experts(model) -> dict:
     return find_experts(model)
 
 
+def _batch_split(layout, world: int) -> Callable:
+    """Inputs split on their batch dim over the layout's one axis (replicated where the batch does not divide)."""
+    from ..dtensor.dtensor import distribute_tensor
+    axis = layout.alias_name[0]
+
+    def split(t):
+        if t.ndim and t.shape[0] % world == 0:
+            return distribute_tensor(t, layout(axis, *(["None"] * (t.ndim - 1))))
+        return replicated(t, layout)
+    return split
+
+
 def make_scenario(name: str, world: int = 1) -> Scenario:
     """The scenario on this process (torch.distributed already initialised when `world` > 1)."""
     if name not in SCENARIOS:
         raise ValueError(f"census: unknown scenario {name!r}; use one of {', '.join(SCENARIOS)}")
     if name in ("single", "plain"):
         return Scenario(name)
-    from ..dtensor.dtensor import distribute_tensor
     from ..layout.layout import Layout
     if name in ("dp", "tp"):
         mesh = Layout((world,), (name,))
         repl = lambda t: replicated(t, mesh)  # noqa: E731
         if name == "dp":
-            split = lambda t: (distribute_tensor(t, mesh("dp", *(["None"] * (t.ndim - 1))))  # noqa: E731
-                               if t.ndim and t.shape[0] % world == 0 else repl(t))
-            return Scenario(name, world, mesh, split, repl)
+            return Scenario(name, world, mesh, _batch_split(mesh, world), repl)
         from ..parallel.shard import shard
         return Scenario(name, world, mesh, repl, repl, lambda m: shard(m, "auto", mesh, src_data_rank=None))
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", (world,), (name,))
     layout = Layout((world,), (name,))
     repl = lambda t: replicated(t, layout)  # noqa: E731
-    if name == "ep":
-        return Scenario(name, world, mesh, _same, repl, lambda m: hp.expert_parallel(m, mesh, "ep"))
+    if name == "ep":  # "ep" is a data axis (API §12): each rank feeds its share of the batch, said as Shard(0)
+        return Scenario(name, world, mesh, _batch_split(layout, world), repl,
+                        lambda m: hp.expert_parallel(m, mesh, "ep"))
     if name == "cp":
         return Scenario(name, world, mesh, _same, repl, lambda m: hp.context_parallel(m, mesh, "cp"))
     return Scenario(name, world, mesh)
