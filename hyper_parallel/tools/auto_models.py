@@ -275,6 +275,14 @@ def _fit_stages(d: dict, old_layers: int | None) -> None:
     d.pop("stage_names")
 
 
+def _text_vocab(d: dict) -> int:
+    """The tiny vocabulary special ids are moved into: VOCAB, or the model's own text vocabulary where that is
+    smaller (a protein or phoneme model's few dozen tokens)."""
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    own = text.get("vocab_size", d.get("vocab_size"))
+    return own if isinstance(own, int) and 16 <= own < VOCAB else VOCAB
+
+
 def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
     """Special token ids (pad, bos, image, video, audio...) moved into the tiny vocabulary, above the text ids."""
     d = dict(d)
@@ -338,7 +346,7 @@ def tiny_config(model_type: str):
     base = AutoConfig.for_model(model_type)
     d = shrink_config_dict(base.to_dict())
     apply_override(model_type, d)
-    d = _remap_special_ids(d, VOCAB, {})
+    d = _remap_special_ids(d, _text_vocab(d), {})
     _default_mrope(d, type(base))
     for k in ("transformers_version", "architectures", "_name_or_path"):
         d.pop(k, None)
@@ -360,8 +368,8 @@ def build_model_type(model_type: str, seed: int = 0, head: str | None = None) ->
     """A tiny random model of `model_type` (with `head`, default the type's own: see `heads.head_of`), its
     inputs and labels; the same seed gives the same ones."""
     head, cls_name = head_of(model_type, head)
-    cfg = tiny_config(model_type)
     cls = _model_class(cls_name)
+    cfg = _config_for(cls, tiny_config(model_type))
     torch.manual_seed(seed)
     try:
         model = cls._from_config(cfg, attn_implementation="sdpa")
@@ -369,6 +377,19 @@ def build_model_type(model_type: str, seed: int = 0, head: str | None = None) ->
         torch.manual_seed(seed)
         model = cls._from_config(cfg, attn_implementation="eager")
     return _case(model_type, _ready(model), head, seed)
+
+
+def _config_for(cls, cfg):
+    """The config the class takes: the type's own, or the sub-config of the class's config class where the
+    head is built on one part of a composite model (MusicGen's causal LM on its decoder config)."""
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(cfg, wanted):
+        return cfg
+    for name in (getattr(cfg, "sub_configs", None) or {}):
+        sub = getattr(cfg, name, None)
+        if isinstance(sub, wanted):
+            return sub
+    return cfg
 
 
 def _case(name: str, model, head: str, seed: int) -> ModelCase:

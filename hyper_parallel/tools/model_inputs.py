@@ -199,8 +199,10 @@ VARIANTS = (
 )
 
 
-# where the config does not say how a modality is laid out, the layouts tried in turn (see fitting_inputs)
-LAYOUTS = ({}, {"audio_time_first": True}, {"wave_channels": 1})
+# where the config does not say how a modality is laid out, the layouts tried in turn (see fitting_inputs):
+# spectrogram frames last or first, a waveform with a channel dim, images grouped per sample (Idefics3's
+# (batch, images, channels, height, width))
+LAYOUTS = ({}, {"audio_time_first": True}, {"wave_channels": 1}, {"images_per_sample": True})
 
 
 def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
@@ -247,6 +249,17 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             placeholders += [[start, video_id, n // frames, end] for _ in range(frames)]
         else:
             placeholders.append([start, video_id, n, end])
+    if layout.get("images_per_sample") and isinstance(inputs.get("pixel_values"), torch.Tensor) and \
+            inputs["pixel_values"].ndim == 4:
+        inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1)
+    if head == "keypoint-matching" and "pixel_values" in inputs:  # a pair of images per sample
+        inputs["pixel_values"] = torch.stack([inputs["pixel_values"], inputs["pixel_values"].flip(-1)], 1)
+    if "past_values" in params:  # a time series: (batch, context, channels) with its observed mask
+        context = int(_first(cfg, ("context_length",), 32))
+        channels = int(_first(cfg, ("num_input_channels", "input_size"), 1))
+        inputs["past_values"] = torch.randn(batch, context, channels, generator=gen)
+        if "past_observed_mask" in params:
+            inputs["past_observed_mask"] = torch.ones(batch, context, channels)
     if "grid_thw" in params:  # a vision tower on its own: flattened patches and their grid
         merge = int(_first(cfg, ("spatial_merge_size", "merge_size"), 2))
         grid = (1, 2 * merge, 2 * merge)
@@ -394,7 +407,8 @@ def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> 
         k in inputs for k in ("pixel_values", "pixel_values_videos", "input_features"))
     if multimodal:
         inputs, labels = _fitting_variant(model, cfg, head, seed, batch)
-    elif _fails(model, inputs, labels) and any(k in inputs for k in ("input_features", "input_values")):
+    elif _fails(model, inputs, labels) and any(k in inputs for k in ("input_features", "input_values",
+                                                                       "pixel_values")):
         for layout in LAYOUTS[1:]:
             tried = make_inputs(model, cfg, head, seed, batch, layout=layout)
             if not _fails(model, *tried):
