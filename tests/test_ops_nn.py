@@ -162,6 +162,14 @@ def _conv_transpose(rnd):
     return (lambda x, w, b: fn(x, w, b, stride=stride)), [x, w, b]
 
 
+def _upsample(rnd):
+    """The kernels F.interpolate calls, called directly (HunYuan-VL's vision tower): spatial dims whole."""
+    x = randn(rnd.randint(1, 3), rnd.randint(1, 3), *dims(rnd, 2, 2, 4))
+    size = [rnd.randint(2, 6), rnd.randint(2, 6)]
+    corners = rnd.random() < 0.5
+    return (lambda x: torch._C._nn.upsample_bilinear2d(x, size, corners)), [Arg(x)]
+
+
 def _glu(rnd):
     shape = dims(rnd, rnd.randint(1, 3), 1, 4)
     dim = rnd.randrange(len(shape))
@@ -170,7 +178,7 @@ def _glu(rnd):
 
 
 CASES = {"embedding": _embedding, "sdpa": _sdpa, "norm": _norm, "channel_norm": _channel_norm,
-         "pointwise_loss": _pointwise_loss, "conv_transpose": _conv_transpose, "glu": _glu,
+         "pointwise_loss": _pointwise_loss, "upsample": _upsample, "conv_transpose": _conv_transpose, "glu": _glu,
          "ctc_loss": _ctc_loss, "weight_norm": _weight_norm,
          "cross_entropy": lambda rnd: _loss(rnd, "cross_entropy"), "nll_loss": lambda rnd: _loss(rnd, "nll_loss")}
 
