@@ -53,10 +53,7 @@ class Scenario:
             experts = _find_experts(case.model)
             if not experts:
                 return "dense model: no MoE experts module (stacked expert weights routed by the model)"
-        if self.name in ("cp", "pp") and case.head not in DECODER_HEADS:
-            what = "splits a decoder's sequence" if self.name == "cp" else "cuts a decoder's layer list"
-            return f"{'context' if self.name == 'cp' else 'pipeline'} parallel {what}; a {case.head} model has none"
-        return None
+        return not_applicable_to_head(self.name, case.head)
 
     def modes(self, modes: tuple) -> tuple:
         return tuple(m for m in modes if m == "train") if self.name == "pp" else modes
@@ -69,6 +66,15 @@ class Scenario:
             build = _prefill(build)
         return _run_one(name, mode, build, max_new_tokens, self.wrap_input, self.wrap_param, record,
                         self.shard_model, plain_only=self.name == "plain")
+
+
+def not_applicable_to_head(scenario: str, head: str) -> str | None:
+    """Why a scenario does not apply to any model with this head (None: it may apply): context and pipeline
+    parallel work on a decoder's sequence and layers. Known before a model is built."""
+    if scenario in ("cp", "pp") and head not in DECODER_HEADS:
+        what = "splits a decoder's sequence" if scenario == "cp" else "cuts a decoder's layer list"
+        return f"{'context' if scenario == 'cp' else 'pipeline'} parallel {what}; a {head} model has none"
+    return None
 
 
 def _prefill(build: Callable[[], ModelCase]) -> Callable[[], ModelCase]:
@@ -162,4 +168,4 @@ def pipeline_run(name: str, build: Callable[[], ModelCase], mesh, record: bool =
     report.seconds = time.perf_counter() - start
     return report
 
-__all__ = ["Scenario", "make_scenario", "pipeline_run", "SCENARIOS", "PARALLEL", "DECODER_HEADS"]
+__all__ = ["Scenario", "make_scenario", "pipeline_run", "not_applicable_to_head", "SCENARIOS", "PARALLEL", "DECODER_HEADS"]

@@ -536,6 +536,7 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
     """
     _preload()
     from .auto_models import has_tp_plan
+    from .census_scenarios import not_applicable_to_head
     given = {k: v for k, v in (("dp", dp), ("tp", tp), ("ep", ep), ("cp", cp), ("pp", pp)) if v}
     if len(given) > 1 or (given and plain):
         raise ValueError(f"census: give one scenario, not {' and '.join(given) + (' and plain' if plain else '')}")
@@ -568,6 +569,10 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
                 if not planned:
                     report(TypeResult(t, head=_head_name(t), skipped="no tp plan"))
                     continue
+            reason = not_applicable_to_head(scenario, _head_name(t))
+            if reason is not None:  # known from the head alone: the type is not even built
+                report(TypeResult(t, head=_head_name(t), skipped="not applicable", note=reason))
+                continue
             running.append(_start(t, modes, max_new_tokens, seed, record, scenario, world))
         time.sleep(0.05)
         for job in list(running):
