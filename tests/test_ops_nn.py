@@ -170,6 +170,13 @@ def _upsample(rnd):
     return (lambda x: torch._C._nn.upsample_bilinear2d(x, size, corners)), [Arg(x)]
 
 
+def _prelu(rnd):
+    """prelu with one slope per channel or one for all."""
+    x = randn(*dims(rnd, rnd.randint(2, 4), 1, 4))
+    w = randn(x.shape[1] if rnd.random() < 0.5 else 1)
+    return (lambda x, w: F.prelu(x, w)), [Arg(x), Arg(w)]
+
+
 def _glu(rnd):
     shape = dims(rnd, rnd.randint(1, 3), 1, 4)
     dim = rnd.randrange(len(shape))
@@ -178,7 +185,7 @@ def _glu(rnd):
 
 
 CASES = {"embedding": _embedding, "sdpa": _sdpa, "norm": _norm, "channel_norm": _channel_norm,
-         "pointwise_loss": _pointwise_loss, "upsample": _upsample, "conv_transpose": _conv_transpose, "glu": _glu,
+         "pointwise_loss": _pointwise_loss, "upsample": _upsample, "prelu": _prelu, "conv_transpose": _conv_transpose, "glu": _glu,
          "ctc_loss": _ctc_loss, "weight_norm": _weight_norm,
          "cross_entropy": lambda rnd: _loss(rnd, "cross_entropy"), "nll_loss": lambda rnd: _loss(rnd, "nll_loss")}
 

@@ -14,6 +14,7 @@ normalized dim), and adds what the generic description cannot say:
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -196,6 +197,17 @@ class ChannelNorm(SignatureRule):
         else:
             dims = [0]
         return [Signature([Shard(d)], [Shard(d)] + [REPLICATE] * (n - 1)) for d in dims if x.shape[d] > 1]
+
+
+class Prelu(SignatureRule):
+    """F.prelu(input, weight): pointwise, with one slope per channel (dim 1) or one for all: any dim but a
+    per-channel weight's may be split, the weight replicated."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        x = call.inputs[0]
+        per_channel = len(call.inputs) > 1 and math.prod(call.inputs[1].shape) > 1
+        return [Signature([Shard(d)], [Shard(d)] + [REPLICATE] * (len(call.inputs) - 1))
+                for d in range(x.ndim) if x.shape[d] > 1 and not (per_channel and d == 1)]
 
 
 # ---- losses --------------------------------------------------------------------------------------

@@ -29,6 +29,11 @@ from .models import ModelCase, build_model, load_pretrained, model_names
 
 MODES = ("generate", "train")
 TOLERANCE = 1e-5
+# gradients get more room: a gradient that sums many O(1) terms to a small total (a norm's bias over every
+# token and patch, a convolution over every pixel) keeps the absolute rounding of its terms, and the same sum
+# taken in another order (a split batch, a gathered then re-split input) moves it by ~sqrt(terms) ulps of the
+# terms; a wrong rule moves it by far more (a dropped or doubled contribution is O(1) of the gradient)
+GRAD_TOLERANCE = 1e-4
 RUN_SEED = 1234  # the torch seed each run (plain, then on DTensors) starts from
 
 
@@ -387,9 +392,9 @@ def _run_one(name: str, mode: str, build: Callable[[], ModelCase], max_new_token
             dl = abs(float(ref_loss) - float(loss)) / max(1.0, abs(float(ref_loss)))
             dg, wg = _max_diff(ref_grads, grads, relative=True)
             dp, wp = _max_diff(_step_with(_train_module(build()), grads), params)
-            report.equal = max(dl, dg, dp) <= TOLERANCE
+            report.equal = max(dl, dp) <= TOLERANCE and dg <= GRAD_TOLERANCE
             report.detail = f"loss {dl:.1e}, grads {dg:.1e}, params {dp:.1e}" + (
-                "" if report.equal else f" (worst: {wg if dg >= dp else wp})")
+                "" if report.equal else f" (worst: {wg if dg > GRAD_TOLERANCE else wp})")
         else:
             raise ValueError(f"unknown census mode {mode!r}; use generate, train or all")
         report.ops = dict(rec.seen)
