@@ -308,7 +308,8 @@ _ABOUT = ("Every model type transformers has a model class for, built tiny from 
           "generate (heads that generate) or a forward, and one training step (the head's own loss, else a sum of "
           "its outputs' mean squares), plain and with DTensor inputs and parameters; `equal` compares tokens, "
           "every output, the loss and the gradients with the plain run, and the parameters after AdamW with a "
-          "plain AdamW step on the run's own gradients. A type whose plain run fails is not counted (listed with "
+          "plain AdamW step on the run's own gradients (floats within 1e-5 of their magnitude above 1, gradients "
+          "within 1e-4: sums taken in another order). A type whose plain run fails is not counted (listed with "
           "its error at the end).")
 _SCENARIO_ABOUT = {
     "plain": " This page is the plain run alone (`--plain`): it checks the tiny configs and inputs.",
