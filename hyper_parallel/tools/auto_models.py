@@ -27,7 +27,8 @@ _LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encode
 _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim", "projection_dim",
                 "out_hidden_size", "output_dim", "hidden_dim", "model_dim", "embedding_size", "proj_dim",
                 "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
-                "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size"}
+                "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
+                "pooler_output_size", "codebook_dim"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
@@ -98,8 +99,8 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             continue
         elif key in _LAYER_KEYS:
             d[key] = _small(value, LAYERS)
-        elif key in _HIDDEN_KEYS:
-            d[key] = _small(value, HIDDEN)
+        elif key in _HIDDEN_KEYS and not (key == "hidden_dim" and isinstance(d.get("out_channels"), list)):
+            d[key] = _small(value, HIDDEN)  # (an EfficientNet's hidden_dim follows its channel lists)
         elif key in _FFN_KEYS:
             d[key] = _small(value, INTERMEDIATE)
         elif key in _HEAD_KEYS and isinstance(value, list):  # one per stage (Swin): powers of two divide widths
