@@ -195,6 +195,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
         if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             d[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
     _fit_stages(d, old_layers)
+    _fit_hidden_state_indices(d, old_layers)
     for key in ("deepstack_visual_indexes", "vision_feature_layers", "fullatt_block_indexes"):
         if isinstance(d.get(key), list):
             d[key] = [i for i in d[key] if isinstance(i, int) and -LAYERS <= i < LAYERS] or [LAYERS - 1]
@@ -274,6 +275,19 @@ def _fit_stages(d: dict, old_layers: int | None) -> None:
     d["out_indices"] = old
     d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]
     d.pop("stage_names")
+
+
+def _fit_hidden_state_indices(d: dict, old_layers: int | None) -> None:
+    """A neck reading the encoder's hidden states by index (DPT's backbone_out_indices): as many layers as it
+    reads (at least LAYERS), and their last hidden states."""
+    idx = d.get("backbone_out_indices")
+    if not (old_layers and isinstance(idx, list) and idx and all(isinstance(i, int) for i in idx)):
+        return
+    layers = max(LAYERS, len(idx))
+    for key in _LAYER_KEYS:
+        if d.get(key) == min(old_layers, LAYERS):
+            d[key] = layers
+    d["backbone_out_indices"] = list(range(layers - len(idx), layers))
 
 
 def _text_vocab(d: dict) -> int:

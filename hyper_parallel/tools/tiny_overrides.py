@@ -33,6 +33,10 @@ OVERRIDES: dict[str, Override] = {
                        {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1], "mamba_headdim": 16,
                         "n_mamba_heads": 8, "attention_hidden_size": 128, "attention_head_dim": 32,
                         "adapter_rank": 8}),
+    "beit": Override("the semantic-segmentation head reads 4 backbone stages; the default config names 1",
+                     {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "out_features": None}),
+    "data2vec-vision": Override("the semantic-segmentation head reads 4 backbone stages; the default config names 1",
+                                {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "out_features": None}),
     "dots1": Override("experts unset by default", {"n_routed_experts": 4, "num_experts_per_tok": 2,
                                                    "n_shared_experts": 1}),
 }
