@@ -53,7 +53,7 @@ class Scenario:
             experts = _find_experts(case.model)
             if not experts:
                 return "dense model: no MoE experts module (stacked expert weights routed by the model)"
-        return not_applicable_to_head(self.name, case.head)
+        return None if self.name == "ep" else not_applicable_before_building(self.name, "", case.head)
 
     def modes(self, modes: tuple) -> tuple:
         return tuple(m for m in modes if m == "train") if self.name == "pp" else modes
@@ -68,13 +68,30 @@ class Scenario:
                         self.shard_model, plain_only=self.name == "plain")
 
 
-def not_applicable_to_head(scenario: str, head: str) -> str | None:
-    """Why a scenario does not apply to any model with this head (None: it may apply): context and pipeline
-    parallel work on a decoder's sequence and layers. Known before a model is built."""
+def not_applicable_before_building(scenario: str, model_type: str, head: str) -> str | None:
+    """Why a scenario does not apply to a type, where that is known before its model is built (None: it may
+    apply): context and pipeline parallel work on a decoder's sequence and layers; expert parallel needs a
+    config that counts experts (a model built from one is checked again for an experts module)."""
+    if scenario == "ep" and not _counts_experts(_default_config_dict(model_type)):
+        return "dense model: no MoE experts module (stacked expert weights routed by the model)"
     if scenario in ("cp", "pp") and head not in DECODER_HEADS:
         what = "splits a decoder's sequence" if scenario == "cp" else "cuts a decoder's layer list"
         return f"{'context' if scenario == 'cp' else 'pipeline'} parallel {what}; a {head} model has none"
     return None
+
+
+def _default_config_dict(model_type: str) -> dict:
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.for_model(model_type).to_dict()
+    except Exception:  # a default config that does not validate: let the build say what fails
+        return {"num_experts": 2}
+
+
+def _counts_experts(d: dict) -> bool:
+    from .auto_models import _EXPERT_KEYS
+    return any((k in _EXPERT_KEYS and isinstance(v, int) and v > 1) or (isinstance(v, dict) and _counts_experts(v))
+               for k, v in d.items())
 
 
 def _prefill(build: Callable[[], ModelCase]) -> Callable[[], ModelCase]:
@@ -168,4 +185,4 @@ def pipeline_run(name: str, build: Callable[[], ModelCase], mesh, record: bool =
     report.seconds = time.perf_counter() - start
     return report
 
-__all__ = ["Scenario", "make_scenario", "pipeline_run", "not_applicable_to_head", "SCENARIOS", "PARALLEL", "DECODER_HEADS"]
+__all__ = ["Scenario", "make_scenario", "pipeline_run", "not_applicable_before_building", "SCENARIOS", "PARALLEL", "DECODER_HEADS"]

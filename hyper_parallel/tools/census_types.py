@@ -537,7 +537,7 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
     """
     _preload()
     from .auto_models import has_tp_plan
-    from .census_scenarios import not_applicable_to_head
+    from .census_scenarios import not_applicable_before_building
     given = {k: v for k, v in (("dp", dp), ("tp", tp), ("ep", ep), ("cp", cp), ("pp", pp)) if v}
     if len(given) > 1 or (given and plain):
         raise ValueError(f"census: give one scenario, not {' and '.join(given) + (' and plain' if plain else '')}")
@@ -570,8 +570,8 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
                 if not planned:
                     report(TypeResult(t, head=_head_name(t), skipped="no tp plan"))
                     continue
-            reason = not_applicable_to_head(scenario, _head_name(t))
-            if reason is not None:  # known from the head alone: the type is not even built
+            reason = not_applicable_before_building(scenario, t, _head_name(t))
+            if reason is not None:  # known from the head or the config: the type is not even built
                 report(TypeResult(t, head=_head_name(t), skipped="not applicable", note=reason))
                 continue
             running.append(_start(t, modes, max_new_tokens, seed, record, scenario, world))
