@@ -232,6 +232,11 @@ def test_type_census_sample_generates_report(tmp_path, capsys):
     assert again["summary"]["ok"] == 2 and again["summary"]["plain_ok"] == 2
     assert len(again["commands"]) == 2 and f"--rerun {earlier}" in again["commands"][1]
     assert f"--rerun {earlier}" in md2.read_text().splitlines()[2]
+    # --rerun-plain: the types that did not build or run plain run again too (after a tiny-config fix)
+    rc = main(["census", "--rerun", str(merged), "--rerun-plain", "--json", str(merged)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "[1/1] t5: ok" in text, text
+    assert json.loads(merged.read_text())["summary"]["ok"] == 3
     # a rerun in another scenario than its report's is refused before anything runs
     assert main(["census", "--rerun", str(earlier), "--tp", "2"]) == 2
     assert "is a 'single' report" in capsys.readouterr().err

@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="re-run the types of an earlier --model-type report (its --json) whose status a fix may "
                         "change (not ok / plain failed / not built / no tp plan), in its scenario, and write the "
                         "merged report with --json / --markdown (FILE itself is only read)")
+    c.add_argument("--rerun-plain", action="store_true",
+                   help="with --rerun: also the types whose tiny model did not build or run plain (after a fix of "
+                        "the tiny configs or inputs)")
     c.add_argument("--jobs", type=int, default=1, metavar="N", help="--model-type: types run at once (default 1)")
     c.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="--model-type: CPU seconds a type may use before it is killed (default 300; a type that stops "
@@ -126,6 +129,7 @@ def _command(args: argparse.Namespace) -> str:
     parts += [f"--{k} {v}" for k, v in (("types-from", args.types_from), ("rerun", args.rerun)) if v]
     parts += [f"--{k} {getattr(args, k)}" for k in SCENARIO_FLAGS + ("jobs",) if getattr(args, k)]
     parts += ["--plain"] if args.plain else []
+    parts += ["--rerun-plain"] if args.rerun_plain else []
     if args.mode != "all":
         parts.append(f"--mode {args.mode}")
     return " ".join(parts)
@@ -143,7 +147,9 @@ def _type_census(args: argparse.Namespace) -> int:
             base = read_type_json(args.rerun)
             if not _scenario_from(args, base.scenario):
                 return 2
-            args.model_type = base.to_rerun() + [t for t in args.model_type if t not in base.to_rerun()]
+            again = base.to_rerun() + ([r.model_type for r in base.results if r.status in ("plain failed", "not built")]
+                                       if args.rerun_plain else [])
+            args.model_type = again + [t for t in args.model_type if t not in again]
         if args.types_from:
             earlier = read_type_json(args.types_from)
             args.model_type = list(dict.fromkeys(args.model_type + [r.model_type for r in earlier.counted()]))
