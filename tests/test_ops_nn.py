@@ -96,7 +96,97 @@ def _loss(rnd, name):
     return (lambda x, t: fn(x, t, **kw)), args
 
 
-CASES = {"embedding": _embedding, "sdpa": _sdpa, "norm": _norm,
+def _channel_norm(rnd):
+    """batch_norm (eval: running statistics; training: batch statistics), group_norm, instance_norm on
+    (N, C, ...) inputs: the rules split what the statistics allow and gather the rest."""
+    n, c = rnd.randint(1, 4), rnd.choice([2, 4])
+    spatial = dims(rnd, rnd.randint(1, 2), 1, 4)
+    spatial[0] = max(spatial[0], 2)  # more than one value per channel and sample
+    x, w, b = Arg(randn(n, c, *spatial)), Arg(randn(c)), Arg(randn(c))
+    kind = rnd.choice(["batch_eval", "batch_train", "group", "instance"])
+    if kind == "batch_eval":
+        mean = Arg(randn(c), grad=False, partial=False)
+        var = Arg(torch.rand(c, dtype=torch.float64) + 0.5, grad=False, partial=False)
+        return (lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=False, eps=1e-5)), [x, mean, var, w, b]
+    if kind == "batch_train":
+        return (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)), [x, w, b]
+    if kind == "group":
+        groups = rnd.choice([1, c // 2, c])
+        return (lambda x, w, b: F.group_norm(x, groups, w, b, eps=1e-5)), [x, w, b]
+    return (lambda x, w, b: F.instance_norm(x, weight=w, bias=b)), [x, w, b]
+
+
+def _ctc_loss(rnd):
+    """CTC over log-probabilities (T, N, C): gathered (each sample's alignment spans its whole sequence)."""
+    t, n, c, s = rnd.randint(4, 6), rnd.randint(1, 3), rnd.randint(3, 5), rnd.randint(1, 2)
+    log_probs = Arg(randn(t, n, c).log_softmax(-1))
+    targets = Arg(torch.randint(1, c, (n, s)), grad=False, partial=False)
+    lengths = [Arg(torch.full((n,), v, dtype=torch.long), grad=False, partial=False) for v in (t, s)]
+    reduction = rnd.choice(["mean", "sum", "none"])
+    return (lambda lp, tg, il, tl: F.ctc_loss(lp, tg, il, tl, reduction=reduction)), [log_probs, targets] + lengths
+
+
+def _weight_norm(rnd):
+    """torch._weight_norm(v, g, dim): weight-normed convolutions of audio encoders (gathered)."""
+    v = randn(rnd.randint(2, 4), rnd.randint(1, 3), rnd.randint(1, 3))
+    dim = rnd.choice([0, 2])
+    g = randn(*[v.shape[d] if d == dim else 1 for d in range(v.ndim)])
+    return (lambda v, g: torch._weight_norm(v, g, dim)), [Arg(v), Arg(g)]
+
+
+def _pointwise_loss(rnd):
+    """Losses per element, then the reduction: elementwise for 'none', pending sums for 'sum', gathered for
+    'mean'."""
+    shape = dims(rnd, rnd.randint(1, 3), 1, 5)
+    x, y = randn(*shape), randn(*shape)
+    reduction = rnd.choice(["none", "sum", "mean"])
+    name = rnd.choice(["mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
+                       "binary_cross_entropy", "kl_div"])
+    target = Arg(y.sigmoid() if "binary" in name else y, grad=False, partial=False)
+    if name == "binary_cross_entropy":
+        return (lambda x, t: F.binary_cross_entropy(x.sigmoid(), t, reduction=reduction)), [Arg(x), target]
+    if name == "kl_div":
+        return (lambda x, t: F.kl_div(x.log_softmax(-1), t.softmax(-1), reduction=reduction)), [Arg(x), target]
+    fn = getattr(F, name)
+    return (lambda x, t: fn(x, t, reduction=reduction)), [Arg(x), target]
+
+
+def _conv_transpose(rnd):
+    """conv_transpose1d/2d (audio decoders, segmentation heads): batch split, weights replicated."""
+    nd = rnd.choice([1, 2])
+    n, cin, cout, k = rnd.randint(1, 4), rnd.randint(1, 3), rnd.randint(1, 3), rnd.randint(1, 3)
+    x = Arg(randn(n, cin, *dims(rnd, nd, 2, 4)))
+    w, b = Arg(randn(cin, cout, *[k] * nd)), Arg(randn(cout))
+    stride = rnd.choice([1, 2])
+    fn = F.conv_transpose1d if nd == 1 else F.conv_transpose2d
+    return (lambda x, w, b: fn(x, w, b, stride=stride)), [x, w, b]
+
+
+def _upsample(rnd):
+    """The kernels F.interpolate calls, called directly (HunYuan-VL's vision tower): spatial dims whole."""
+    x = randn(rnd.randint(1, 3), rnd.randint(1, 3), *dims(rnd, 2, 2, 4))
+    size = [rnd.randint(2, 6), rnd.randint(2, 6)]
+    corners = rnd.random() < 0.5
+    return (lambda x: torch._C._nn.upsample_bilinear2d(x, size, corners)), [Arg(x)]
+
+
+def _prelu(rnd):
+    """prelu with one slope per channel or one for all."""
+    x = randn(*dims(rnd, rnd.randint(2, 4), 1, 4))
+    w = randn(x.shape[1] if rnd.random() < 0.5 else 1)
+    return (lambda x, w: F.prelu(x, w)), [Arg(x), Arg(w)]
+
+
+def _glu(rnd):
+    shape = dims(rnd, rnd.randint(1, 3), 1, 4)
+    dim = rnd.randrange(len(shape))
+    shape[dim] *= 2
+    return (lambda x: F.glu(x, dim)), [Arg(randn(*shape))]
+
+
+CASES = {"embedding": _embedding, "sdpa": _sdpa, "norm": _norm, "channel_norm": _channel_norm,
+         "pointwise_loss": _pointwise_loss, "upsample": _upsample, "prelu": _prelu, "conv_transpose": _conv_transpose, "glu": _glu,
+         "ctc_loss": _ctc_loss, "weight_norm": _weight_norm,
          "cross_entropy": lambda rnd: _loss(rnd, "cross_entropy"), "nll_loss": lambda rnd: _loss(rnd, "nll_loss")}
 
 

@@ -55,6 +55,8 @@ def _cases():
         ("expand_as", lambda t: t.expand_as(torch.empty(2, 4, 6, 8)), [x3], None, True),
         ("repeat", lambda t: t.repeat(1, 2, 1), [u3], None, True),
         ("repeat lead", lambda t: t.repeat(2, 1, 1, 1), [x3], None, True),
+        ("tile fewer", lambda t: t.tile((2, 1)), [u3], None, True),
+        ("torch.tile lead", lambda t: torch.tile(t, (2, 1, 1, 2)), [x3], None, True),
         ("repeat_interleave dim", lambda t: t.repeat_interleave(2, dim=1), [u3], None, True),
         ("torch.repeat_interleave flat", lambda t: torch.repeat_interleave(t, 2), [r(3, 4)], None, True),
         ("repeat_interleave tensor", lambda t: t.repeat_interleave(torch.tensor([1, 2, 0, 1]), dim=0),

@@ -212,6 +212,15 @@ class Conv(SignatureRule):
         return sigs
 
 
+class ConvTranspose(SignatureRule):
+    """conv_transpose1d/2d/3d(input, weight, bias, ...): batch split, weight and bias replicated (the
+    weight's dims are (in, out / groups, ...): an output-channel split would need the groups)."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        n = len(call.inputs)
+        return [Signature([Shard(0)], [Shard(0)] + [REPLICATE] * (n - 1))] if call.inputs[0].shape[0] > 1 else []
+
+
 class FirstOperand(SignatureRule):
     """`torch.isin(x, set)`, `torch.bucketize(x, boundaries)`: pointwise in `x` only; the other operand is a
     lookup table every rank needs whole."""

@@ -1,4 +1,5 @@
-"""Neural-network ops: embedding, scaled_dot_product_attention, layer_norm / rms_norm, cross_entropy / nll_loss.
+"""Neural-network ops: embedding, scaled_dot_product_attention, layer_norm / rms_norm, batch / group norm,
+cross_entropy / nll_loss.
 
 They reuse the labelled-dims description of ops/matmul.py (`ContractionSpec`): each rule names the
 dims that may be split (batch, heads, hidden) and the ones that must stay whole (a softmax or
@@ -13,6 +14,7 @@ normalized dim), and adds what the generic description cannot say:
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -179,7 +181,61 @@ class Norm(SignatureRule):
                                                             contract_partial=False))
 
 
+class ChannelNorm(SignatureRule):
+    """F.batch_norm / F.group_norm (input (N, C, ...), per-channel weights): statistics over dims that the
+    rule keeps whole. group_norm normalises each sample on its own: the batch dim may be split. batch_norm in eval mode uses its running statistics, pointwise per channel: any dim but
+    the channels may be split; in training its statistics span the batch and every spatial dim (and update
+    the running buffers), so its input is gathered (all-Replicate) for the exact single-device result."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        x = call.inputs[0]
+        n = len(call.inputs)
+        if call.name.endswith("batch_norm"):
+            if call.arg(5, "training", False):
+                return []
+            dims = [d for d in range(x.ndim) if d != 1]
+        else:
+            dims = [0]
+        return [Signature([Shard(d)], [Shard(d)] + [REPLICATE] * (n - 1)) for d in dims if x.shape[d] > 1]
+
+
+class Prelu(SignatureRule):
+    """F.prelu(input, weight): pointwise, with one slope per channel (dim 1) or one for all: any dim but a
+    per-channel weight's may be split, the weight replicated."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        x = call.inputs[0]
+        per_channel = len(call.inputs) > 1 and math.prod(call.inputs[1].shape) > 1
+        return [Signature([Shard(d)], [Shard(d)] + [REPLICATE] * (len(call.inputs) - 1))
+                for d in range(x.ndim) if x.shape[d] > 1 and not (per_channel and d == 1)]
+
+
 # ---- losses --------------------------------------------------------------------------------------
+class PointwiseLoss(SignatureRule):
+    """F.mse_loss / l1_loss / smooth_l1_loss / huber_loss / binary_cross_entropy(_with_logits) / kl_div: a
+    loss per element, then the reduction. 'none' is elementwise (input and target split alike); 'sum' leaves
+    each rank's sum pending (Partial); 'mean' divides by the global count, so a split input is gathered
+    (all-Replicate) for the exact mean. Inputs of other shapes (a broadcast weight) are gathered too."""
+
+    def signatures(self, call: OpCall) -> list[Signature]:
+        x = call.inputs[0]
+        if any(tuple(s.shape) != tuple(x.shape) for s in call.inputs[1:]):
+            return []
+        if self.reduction_index >= 4 and (call.arg(self.reduction_index - 2, "size_average", None) is not None or
+                                          call.arg(self.reduction_index - 1, "reduce", None) is not None):
+            return []  # the legacy reduction flags: gathered rather than read again here
+        reduction = call.arg(self.reduction_index, "reduction", "mean")
+        n = len(call.inputs)
+        if reduction == "none":
+            return [Signature([Shard(d)], [Shard(d)] * n) for d in range(x.ndim) if x.shape[d] > 1]
+        if reduction == "sum":
+            return [Signature([_P], [Shard(d)] * n) for d in range(x.ndim) if x.shape[d] > 1]
+        return []
+
+    reduction_index = 4  # (input, target, size_average, reduce, reduction) for most; YAML overrides
+
+
+
 class _LossArgs:
     """The arguments of F.cross_entropy / F.nll_loss that matter here, from a call or local args."""
 

@@ -305,15 +305,30 @@ class Expand(Rule):
 class Repeat(Rule):
     """Tensor.repeat: dims repeated once keep their splits (counts are multipliers, so args stay global)."""
 
-    def strategy(self, call: OpCall) -> Strategy:
-        x = call.inputs[0]
+    count_name = "repeats"
+
+    def counts(self, call: OpCall) -> tuple:
         reps = call.args[1:]
         if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)):
             reps = reps[0]
-        reps = tuple(int(r) for r in (reps or call.kwargs.get("repeats", ())))
+        return tuple(int(r) for r in (reps or call.kwargs.get(self.count_name, ())))
+
+    def strategy(self, call: OpCall) -> Strategy:
+        x = call.inputs[0]
+        reps = self.counts(call)
         lead = len(reps) - x.ndim
         keep = {d: d + lead for d in range(x.ndim) if reps[d + lead] == 1}
         return main_strategy(call, keep)
+
+
+class Tile(Repeat):
+    """Tensor.tile / torch.tile: Tensor.repeat with fewer counts than dims allowed (the leading dims count 1)."""
+
+    count_name = "dims"
+
+    def counts(self, call: OpCall) -> tuple:
+        reps = super().counts(call)
+        return (1,) * (call.inputs[0].ndim - len(reps)) + reps
 
 
 class RepeatInterleave(Rule):

@@ -2,42 +2,33 @@
 
 `build_model_type("llama")` takes the type's default config (`AutoConfig.for_model`), shrinks it generically
 (the config and every sub-config: 2 layers, small widths, heads and KV heads that divide, a small vocabulary,
-small images, few experts, no dropout), builds the model with the type's most capable head (image-text-to-text,
-causal LM, seq2seq LM, masked LM, sequence classification) and makes inputs from the forward signature and the
-config: token ids, masks, token types, pixel values with their grids or image sizes, video, audio features,
-and the image / video / audio placeholder tokens the model expects, counted by running its own feature
-extractor once. `load_path_model(DIR)` feeds a local checkpoint the same way, so `census --model-path` and
-`census --model-type` see the ops a real processor's inputs make the model hit.
+small images, few experts, no dropout), applies the type's entry of `tiny_overrides.OVERRIDES` where the
+generic shrinking breaks one of the config's own checks, builds the model with the type's head (see
+`heads.head_of`: every head transformers registers, the base model for a type with none) and makes inputs for
+its modalities (`model_inputs`). `load_path_model(DIR)` feeds a local checkpoint the same way, so
+`census --model-path` and `census --model-type` see the ops a real processor's inputs make the model hit.
 """
 from __future__ import annotations
 
-import inspect
-import re
 from typing import Any
 
 import torch
 
-from .models import BATCH, ModelCase, _finish
+from .heads import HEAD_BY_NAME, all_model_types, head_of, head_mappings
+from .model_inputs import TEXT_LOW, VOCAB, fed_modalities, fitting_inputs, make_inputs
+from .models import ModelCase, _finish
+from .tiny_overrides import apply_override
 
-# the heads, most capable first: a type is built with the first one it has
-HEADS = (
-    ("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
-    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-    ("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
-    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
-    ("classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
-)
-VOCAB = 256
 HIDDEN, HEADS_N, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
 LAYERS = 2
-SEQ = 8
-TEXT_LOW, TEXT_HIGH = 3, 96      # random text ids; special ids are moved above TEXT_HIGH
 
 _LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
                "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers"}
 _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim", "projection_dim",
                 "out_hidden_size", "output_dim", "hidden_dim", "model_dim", "embedding_size", "proj_dim",
-                "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size"}
+                "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
+                "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
+                "pooler_output_size", "codebook_dim"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
@@ -47,10 +38,12 @@ _KV_KEYS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_gr
             "encoder_num_key_value_heads", "decoder_num_key_value_heads"}
 _HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_dim", "kv_channels", "qk_head_dim", "v_head_dim",
                   "head_size", "qk_rope_head_dim", "qk_nope_head_dim", "linear_key_head_dim",
-                  "linear_value_head_dim", "mamba_head_dim", "d_head"}
+                  "linear_value_head_dim", "mamba_head_dim", "d_head", "rotary_dim", "mamba_headdim"}
 _EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total"}
 _TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts", "moe_k", "router_topk"}
 _VOCAB_KEYS = {"vocab_size", "text_vocab_size"}
+# a detector's object queries (and denoising queries): no more than the anchors a tiny image gives
+_QUERY_KEYS = {"num_queries": 8, "num_denoising": 4}
 # the chunk of a state-space scan (Mamba-2 pads the sequence to it and builds chunk x chunk matrices) and the
 # window of sliding-window attention (Longformer pads the sequence to it): at their defaults (256, 512) the tiny
 # model spends nearly all of its time on padding
@@ -65,35 +58,6 @@ _SIDE_HEAD_DIM_KEYS = {"index_head_dim", "linear_head_dim"}
 RANK = 32
 _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
              "max_source_positions", "max_target_positions", "seq_length"}
-
-
-def _candidates() -> dict:
-    from transformers.models.auto import modeling_auto
-    return {head: getattr(modeling_auto, mapping, {}) for head, mapping in HEADS}
-
-
-def all_model_types() -> list[str]:
-    """Every model type transformers can build with one of the census heads, sorted."""
-    types: set = set()
-    for mapping in _candidates().values():
-        types.update(mapping)
-    return sorted(types)
-
-
-def head_of(model_type: str) -> tuple[str, str]:
-    """(head name, model class name) the census builds `model_type` with.
-
-    The first head of HEADS the type has, except that an encoder with both a masked-LM and a causal-LM
-    head (BERT's `BertLMHeadModel` wants `is_decoder=True`) is built as the masked LM it was trained as."""
-    found = {head: mapping[model_type] for head, mapping in _candidates().items() if mapping.get(model_type)}
-    if not found:
-        raise KeyError(f"model type {model_type!r} has none of the census heads ({', '.join(h for h, _ in HEADS)}); "
-                       f"`hyper-parallel census --model-type all` lists those it covers")
-    head = next(iter(found))
-    if head == "causal-lm" and "masked-lm" in found:
-        head = "masked-lm"
-    cls = found[head]
-    return head, cls if isinstance(cls, str) else cls[0]
 
 
 # ---- the config, shrunk -------------------------------------------------------------------------
@@ -126,19 +90,27 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     heads_old = next((d[k] for k in _HEAD_KEYS if isinstance(d.get(k), int)), None)
     head_dim_old = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
     for key, value in list(d.items()):
-        if isinstance(value, dict) and key != "rope_parameters" and key != "rope_scaling" and (
+        if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
+            d[key] = _resnet_for(value)
+        elif isinstance(value, dict) and key != "rope_parameters" and key != "rope_scaling" and (
                 "model_type" in value or any(k in value for k in _HIDDEN_KEYS | _LAYER_KEYS)):
             d[key] = shrink_config_dict(value, depth + 1)
         elif isinstance(value, bool) or value is None:
             continue
         elif key in _LAYER_KEYS:
             d[key] = _small(value, LAYERS)
-        elif key in _HIDDEN_KEYS:
-            d[key] = _small(value, HIDDEN)
+        elif key in _HIDDEN_KEYS and not (key == "hidden_dim" and isinstance(d.get("out_channels"), list)):
+            d[key] = _small(value, HIDDEN)  # (an EfficientNet's hidden_dim follows its channel lists)
         elif key in _FFN_KEYS:
             d[key] = _small(value, INTERMEDIATE)
+        elif key in _HEAD_KEYS and isinstance(value, list):  # one per stage (Swin): powers of two divide widths
+            d[key] = [min(HEADS_N, 1 << (v.bit_length() - 1)) if isinstance(v, int) and v > 0 else v for v in value]
         elif key in _HEAD_KEYS:
             d[key] = _small(value, HEADS_N)
+        elif key == "depths" and isinstance(value, list):  # blocks per stage
+            d[key] = [_small(v, LAYERS) for v in value]
+        elif key in _QUERY_KEYS:
+            d[key] = _small(value, _QUERY_KEYS[key])
         elif key in _HEAD_DIM_KEYS:
             d[key] = _small(value, HEAD_DIM)
         elif key in _EXPERT_KEYS:
@@ -164,6 +136,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
                                          "hidden_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if isinstance(value, float):
                 d[key] = 0.0
+    _fill_unset(d, heads_old)
     kv_key = next((k for k in _KV_KEYS if isinstance(d.get(k), int)), None)
     if kv_key is not None and heads_old:
         kv_old = d[kv_key]
@@ -174,29 +147,56 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     for key in ("first_k_dense_replace",):
         if isinstance(d.get(key), int):
             d[key] = min(d[key], 1)
-    # vision sizes: a 4 x 4 patch grid of 4-pixel patches (8 x 8 where a merge of 2 needs even sizes)
-    if isinstance(d.get("patch_size"), int) and isinstance(d.get("image_size"), int):
+    # vision sizes: an 8 x 8 patch grid of 4-pixel patches (even sizes for a merge of 2); images of at most
+    # 64 pixels a side for a convolutional model (no patches)
+    if isinstance(d.get("patch_size"), int):
         d["patch_size"] = min(d["patch_size"], 4)
-        d["image_size"] = d["patch_size"] * 8
-    elif isinstance(d.get("patch_size"), int):
-        d["patch_size"] = min(d["patch_size"], 4)
+        if isinstance(d.get("window_size"), int):  # attention windows (Swin) within the 8 x 8 patch grid
+            d["window_size"] = min(d["window_size"], 4)
+        for key in ("image_size", "img_size"):
+            if isinstance(d.get(key), int) or _is_pair(d.get(key)):
+                d[key] = d["patch_size"] * 8 if isinstance(d[key], int) else [d["patch_size"] * 8] * 2
+    else:
+        for key in ("image_size", "img_size"):
+            if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+                d[key] = min(d[key], 64)
+            elif _is_pair(d.get(key)):
+                d[key] = [min(v, 64) for v in d[key]]
+    # a state-space mixer's heads fill its expanded width: heads * head_dim == expand * hidden_size
+    for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
+        width = d.get(expand, 0) * d.get("hidden_size", 0) if isinstance(d.get(expand), int) else 0
+        if heads.startswith("mamba") and isinstance(d.get("mamba_d_ssm"), int):  # Falcon-H1 sets the width itself
+            width = d["mamba_d_ssm"]
+        if width and isinstance(d.get(heads), int) and isinstance(d.get(dim), int) and width % d[dim] == 0:
+            d[heads] = width // d[dim]
+    # randomness a training step would draw differently in the plain and the DTensor run: off
+    for key in ("mask_time_prob", "mask_feature_prob"):
+        if isinstance(d.get(key), float):
+            d[key] = 0.0
+    # backbones transformers builds itself, not timm's (not installed, and not what the census is about)
+    for key in ("use_timm_backbone", "use_pretrained_backbone"):
+        if d.get(key) is True:
+            d[key] = False
+    # a speech encoder takes 2 * max_source_positions mel frames: 64 of them
+    if isinstance(d.get("num_mel_bins"), int) and isinstance(d.get("max_source_positions"), int):
+        d["max_source_positions"] = min(d["max_source_positions"], 32)
     # lists with one entry per layer: cut to the new layer count, keeping one layer of each kind where they
     # differ (a hybrid model's linear and full attention layers); dicts keyed by layer index: the kept layers
     if old_layers and old_layers > LAYERS:
+        layers = _hybrid_layers(d, old_layers)
+        for key in _LAYER_KEYS:
+            if d.get(key) == LAYERS and layers > LAYERS:
+                d[key] = layers
         for key, value in list(d.items()):
             if isinstance(value, list) and len(value) == old_layers:
-                kinds = list(dict.fromkeys(v for v in value if isinstance(v, (str, int, float))))
-                if len(kinds) > 1 and len(kinds) == len(set(map(str, value))) and all(
-                        isinstance(v, (str, int, float)) for v in value):
-                    d[key] = (kinds + [kinds[0]] * LAYERS)[:LAYERS]
-                    if len(kinds) > LAYERS:  # keep the last kind too (e.g. the full-attention layer)
-                        d[key][-1] = value[-1]
-                else:
-                    d[key] = value[:LAYERS]
+                kinds = _kinds(value)
+                d[key] = (kinds + [kinds[0]] * layers)[:layers] if len(kinds) > 1 else value[:layers]
     for key, value in list(d.items()):
         if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             d[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
-    for key in ("deepstack_visual_indexes", "vision_feature_layers", "out_indices", "fullatt_block_indexes"):
+    _fit_stages(d, old_layers)
+    _fit_hidden_state_indices(d, old_layers)
+    for key in ("deepstack_visual_indexes", "vision_feature_layers", "fullatt_block_indexes"):
         if isinstance(d.get(key), list):
             d[key] = [i for i in d[key] if isinstance(i, int) and -LAYERS <= i < LAYERS] or [LAYERS - 1]
     if isinstance(d.get("vision_feature_layer"), int) and not -LAYERS <= d["vision_feature_layer"] < LAYERS:
@@ -205,12 +205,97 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
         HIDDEN // HEADS_N if heads_old else HEAD_DIM)
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(d.get(key), dict):
-            d[key] = _shrink_rope(d[key], head_dim_old, head_dim_new)
+            d[key] = _shrink_rope(d[key], head_dim_old, _rotary_dim(d, d[key], head_dim_new))
     if "sliding_window" in d and isinstance(d["sliding_window"], int):
         d["sliding_window"] = min(d["sliding_window"], 4)
     if "tie_word_embeddings" in d and depth == 0:
         d["tie_word_embeddings"] = False
     return d
+
+
+def _kinds(value: list) -> list:
+    """The distinct entries of a per-layer list of kinds (strings or numbers), in order; [] for other lists."""
+    if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return []
+    return list(dict.fromkeys(value))
+
+
+def _hybrid_layers(d: dict, old_layers: int) -> int:
+    """Layers to keep: LAYERS, or one per kind of a hybrid model's per-layer kinds (linear / full / sliding
+    attention, convolution...) up to 4, so that every kind is built and run."""
+    most = max([len(_kinds(v)) for v in d.values() if isinstance(v, list) and len(v) == old_layers] or [0])
+    return max(LAYERS, min(most, 4))
+
+
+def _fill_unset(d: dict, heads: int | None) -> None:
+    """Sizes this transformers leaves unset (None) in a default config that its model code reads as numbers
+    (a checkpoint's config always sets them): filled with the tiny sizes. Only these: elsewhere None often
+    means "off" (DeepSeek's q_lora_rank)."""
+    if heads:
+        if "head_dim" in d and d["head_dim"] is None:
+            d["head_dim"] = HIDDEN // HEADS_N
+        for key in _KV_KEYS:
+            if key in d and d[key] is None:
+                d[key] = heads
+    if "vocab_size" in d and d["vocab_size"] is None:
+        d["vocab_size"] = VOCAB
+    if any(isinstance(d.get(k), int) for k in _EXPERT_KEYS):
+        for key, size in (("num_experts_per_tok", 2), ("moe_intermediate_size", INTERMEDIATE)):
+            if key in d and d[key] is None:
+                d[key] = size
+
+
+def _resnet_for(timm: dict) -> dict:
+    """A tiny transformers ResNet in place of a timm backbone (timm is not installed, and the census is about
+    transformers' own modules), with the timm config's output stages."""
+    stages = [i for i in timm.get("out_indices") or [1, 2, 3, 4] if 1 <= i <= 4]
+    return {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1],
+            "layer_type": "basic", "out_indices": stages, "out_features": [f"stage{i}" for i in stages]}
+
+
+def _is_pair(value) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)
+
+
+def _fit_stages(d: dict, old_layers: int | None) -> None:
+    """A backbone's outputs (`out_features` / `out_indices`) name stages. Where the stages are the layers
+    (a ViT backbone: stage_names = stem + one per layer), the shrunk model keeps as many layers as outputs
+    (at least LAYERS) and outputs its last ones; where they are not (a ConvNeXt's stages), they stay."""
+    names = d.get("stage_names")
+    feats, idx = d.get("out_features"), d.get("out_indices")
+    if not isinstance(names, list) or not (isinstance(feats, list) or isinstance(idx, list)):
+        return
+    old = [i % len(names) for i in idx] if isinstance(idx, list) else [names.index(f) for f in feats if f in names]
+    if old_layers and len(names) == old_layers + 1 and old:
+        layers = max(LAYERS, len(old))
+        for key in _LAYER_KEYS:
+            if d.get(key) == min(old_layers, LAYERS):
+                d[key] = layers
+        old = list(range(layers - len(old) + 1, layers + 1))
+    d["out_indices"] = old
+    d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]
+    d.pop("stage_names")
+
+
+def _fit_hidden_state_indices(d: dict, old_layers: int | None) -> None:
+    """A neck reading the encoder's hidden states by index (DPT's backbone_out_indices): as many layers as it
+    reads (at least LAYERS), and their last hidden states."""
+    idx = d.get("backbone_out_indices")
+    if not (old_layers and isinstance(idx, list) and idx and all(isinstance(i, int) for i in idx)):
+        return
+    layers = max(LAYERS, len(idx))
+    for key in _LAYER_KEYS:
+        if d.get(key) == min(old_layers, LAYERS):
+            d[key] = layers
+    d["backbone_out_indices"] = list(range(layers - len(idx), layers))
+
+
+def _text_vocab(d: dict) -> int:
+    """The tiny vocabulary special ids are moved into: VOCAB, or the model's own text vocabulary where that is
+    smaller (a protein or phoneme model's few dozen tokens)."""
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    own = text.get("vocab_size", d.get("vocab_size"))
+    return own if isinstance(own, int) and 16 <= own < VOCAB else VOCAB
 
 
 def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
@@ -229,11 +314,14 @@ def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
     return d
 
 
-def _modeling_source(model_type: str) -> str:
+def _modeling_source(config_cls) -> str:
+    """The source of the modeling module beside a config class's module (empty if there is none)."""
     import importlib.util
-    name = model_type.replace("-", "_")
+    module = config_cls.__module__
+    if ".configuration_" not in module:
+        return ""
     try:
-        spec = importlib.util.find_spec(f"transformers.models.{name}.modeling_{name}")
+        spec = importlib.util.find_spec(module.replace(".configuration_", ".modeling_"))
     except ImportError:
         return ""
     if spec is None or not spec.origin:
@@ -242,26 +330,39 @@ def _modeling_source(model_type: str) -> str:
         return f.read()
 
 
-def _default_mrope(d: dict, model_type: str) -> None:
-    """Multimodal rotary code with a built-in section default ([16, 24, 24], for head_dim 128) gets one
+def _default_mrope(d: dict, config_cls) -> None:
+    """Multimodal rotary code with a built-in section default (e.g. [16, 24, 24], for head_dim 128) gets one
     that fits the tiny head_dim."""
-    subs = [d] + [v for v in d.values() if isinstance(v, dict) and "model_type" in v]
-    if "mrope_section" not in _modeling_source(model_type):
+    import re
+    source = _modeling_source(config_cls)
+    if "mrope_section" not in source:
         return
+    found = re.search(r"mrope_section\W+\[(\d+),\s*(\d+),\s*(\d+)\]", source)
+    default = [int(v) for v in found.groups()] if found else [16, 24, 24]
+    subs = [d] + [v for v in d.values() if isinstance(v, dict) and "model_type" in v]
     for sub in subs:
         rope = sub.get("rope_parameters")
         if isinstance(rope, dict) and "mrope_section" not in rope and any(k in sub for k in _HEAD_KEYS):
             head_dim = sub.get("head_dim") if isinstance(sub.get("head_dim"), int) else HIDDEN // HEADS_N
-            sub["rope_parameters"] = _shrink_rope(dict(rope, mrope_section=[16, 24, 24]), None, head_dim)
+            sub["rope_parameters"] = _shrink_rope(dict(rope, mrope_section=default), None,
+                                                  _rotary_dim(sub, rope, head_dim))
+
+
+def _rotary_dim(d: dict, rope: dict, head_dim: int) -> int:
+    """The rotated part of a head: head_dim times the partial rotary factor (of the rope dict or the config)."""
+    factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    return int(head_dim * factor) if isinstance(factor, float) and 0 < factor < 1 else head_dim
 
 
 def tiny_config(model_type: str):
-    """The type's default config, shrunk (see `shrink_config_dict`), special ids inside the vocabulary."""
+    """The type's default config, shrunk (see `shrink_config_dict`), with the type's entry of
+    `tiny_overrides.OVERRIDES` applied and special ids inside the vocabulary."""
     from transformers import AutoConfig
     base = AutoConfig.for_model(model_type)
     d = shrink_config_dict(base.to_dict())
-    d = _remap_special_ids(d, VOCAB, {})
-    _default_mrope(d, model_type)
+    apply_override(model_type, d)
+    d = _remap_special_ids(d, _text_vocab(d), {})
+    _default_mrope(d, type(base))
     for k in ("transformers_version", "architectures", "_name_or_path"):
         d.pop(k, None)
     d.pop("model_type", None)
@@ -273,301 +374,43 @@ def tiny_config(model_type: str):
         cfg.decoder_start_token_id = cfg.pad_token_id  # labels are shifted right from it in training
     return cfg
 
-
-# ---- inputs ---------------------------------------------------------------------------------------
-def _forward_params(model) -> set:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _sub(cfg, *names):
-    for n in names:
-        sub = getattr(cfg, n, None)
-        if sub is not None and not isinstance(sub, (int, float, str, bool, list, dict)):
-            return sub
-    return None
-
-
-def _first(cfg, names, default=None):
-    for n in names:
-        v = getattr(cfg, n, None) if cfg is not None else None
-        if v is not None:
-            return v
-    return default
-
-
-def _token_id(cfg, kind: str):
-    return _first(cfg, (f"{kind}_token_id", f"{kind}_token_index", f"{kind}_token"))
-
-
-def _vocab(cfg) -> int:
-    text = _sub(cfg, "text_config", "decoder", "language_config", "llm_config") or cfg
-    return int(_first(text, ("vocab_size",), _first(cfg, ("vocab_size",), VOCAB)))
-
-
-def _image_count_from_error(err: BaseException) -> int | None:
-    m = re.search(r"features[:\s]*(\d+)", str(err))
-    return int(m.group(1)) if m else None
-
-
-def _count_features(features, batch: int) -> int | None:
-    """Placeholder tokens per sample from what a model's get_*_features returned."""
-    if hasattr(features, "pooler_output") and features.pooler_output is not None:
-        features = features.pooler_output
-    elif hasattr(features, "last_hidden_state") and not isinstance(features, torch.Tensor):
-        features = features.last_hidden_state
-    if isinstance(features, (list, tuple)):
-        if features and all(isinstance(f, torch.Tensor) for f in features):
-            rows = sum(f.shape[0] if f.ndim <= 2 else f.shape[0] * f.shape[1] for f in features)
-            return rows // batch
-        return None
-    if isinstance(features, torch.Tensor):
-        if features.ndim >= 3:
-            return features.shape[0] * features.shape[1] // batch
-        if features.ndim == 2:
-            return features.shape[0] // batch
-    return None
-
-
-def _grid_pixels(vcfg, gen, grids) -> torch.Tensor:
-    patch = int(_first(vcfg, ("patch_size",), 4))
-    tps = int(_first(vcfg, ("temporal_patch_size",), 1))
-    chans = int(_first(vcfg, ("in_channels", "in_chans", "num_channels"), 3))
-    n = sum(t * h * w for t, h, w in grids)
-    return torch.randn(n, chans * tps * patch * patch, generator=gen)
-
-
-def _image_inputs(model, cfg, params: set, gen, batch: int) -> dict:
-    """pixel_values (and grids / sizes) for one image per sample, in the layout the model's forward takes."""
-    vcfg = _sub(cfg, "vision_config", "vision_tower_config", "visual", "vision_encoder_config") or cfg
-    out: dict = {}
-    if "image_grid_thw" in params:
-        merge = int(_first(vcfg, ("spatial_merge_size", "merge_size"), 2))
-        t = 1
-        grid = (t, 2 * merge, 2 * merge)
-        out["pixel_values"] = _grid_pixels(vcfg, gen, [grid] * batch)
-        out["image_grid_thw"] = torch.tensor([grid] * batch)
-        return out
-    size = _first(vcfg, ("image_size", "img_size"), 32)
-    if isinstance(size, (list, tuple)):
-        h, w = int(size[0]), int(size[-1])
-    elif isinstance(size, dict):
-        h, w = int(size.get("height", 32)), int(size.get("width", 32))
-    else:
-        h = w = int(size)
-    chans = int(_first(vcfg, ("num_channels", "in_channels", "in_chans"), 3))
-    out["pixel_values"] = torch.randn(batch, chans, h, w, generator=gen)
-    if "image_sizes" in params:
-        out["image_sizes"] = torch.tensor([[h, w]] * batch)
-    return out
-
-
-def _feature_count(model, kind: str, inputs: dict, batch: int) -> int | None:
-    fn = None
-    for owner in (model, getattr(model, "model", None)):
-        fn = getattr(owner, f"get_{kind}_features", None) if owner is not None else None
-        if fn is not None:
-            break
-    if fn is None:
-        return None
-    params = set(inspect.signature(fn).parameters)
-    kwargs = {k: v for k, v in inputs.items() if k in params}
-    with torch.no_grad():
-        try:
-            return _count_features(fn(**kwargs), batch)
-        except Exception:  # the count then comes from the forward's own mismatch message
-            return None
-
-
-def _audio_inputs(cfg, params: set, gen, batch: int) -> dict:
-    acfg = _sub(cfg, "audio_config", "audio_encoder_config") or cfg
-    mels = int(_first(acfg, ("num_mel_bins", "n_mels", "feature_size", "input_feat_size"), 16))
-    frames = 2 * int(_first(acfg, ("max_source_positions",), 32))
-    frames = min(frames, 64)
-    out = {"input_features": torch.randn(batch, mels, frames, generator=gen)}
-    for mask in ("feature_attention_mask", "input_features_mask", "audio_attention_mask"):
-        if mask in params:
-            out[mask] = torch.ones(batch, frames, dtype=torch.long)
-            break
-    return out
-
-
-def _row(text: int, placeholders: list, gen) -> list:
-    """Token ids: a little text, then each placeholder run wrapped in its start/end ids, then text."""
-    ids = torch.randint(TEXT_LOW, TEXT_HIGH, (text,), generator=gen).tolist()
-    row = ids[: text // 2]
-    for start, token, n, end in placeholders:
-        row += ([start] if start is not None else []) + [token] * n + ([end] if end is not None else [])
-    return row + ids[text // 2:]
-
-
-# the input variants tried in order: every modality first, then fewer, until the plain forward accepts one
-VARIANTS = (
-    {"image", "video", "audio", "image_sizes"},
-    {"image", "video", "audio"},
-    {"image", "video_frames", "audio"},
-    {"image", "audio"},
-    {"image"},
-    {"audio"},
-    set(),
-)
-
-
-def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
-                feed: set | None = None) -> tuple[dict, dict]:
-    """(inputs, labels) for `model`: every modality its forward takes and its config declares.
-
-    `feed` limits the modalities ("image", "image_sizes", "video" or "video_frames" (one placeholder run per
-    frame, as Qwen3-VL's processor writes them), "audio"); None feeds all."""
-    feed = VARIANTS[0] if feed is None else feed
-    gen = torch.Generator().manual_seed(seed)
-    params = _forward_params(model)
-    vocab = _vocab(cfg)
-    high = min(TEXT_HIGH, vocab)
-    inputs: dict = {}
-    placeholders: list = []
-    image_id, video_id, audio_id = _token_id(cfg, "image"), _token_id(cfg, "video"), _token_id(cfg, "audio")
-    start, end = _token_id(cfg, "vision_start"), _token_id(cfg, "vision_end")
-    if "image" in feed and "pixel_values" in params:
-        image = _image_inputs(model, cfg, params, gen, batch)
-        if "image_sizes" not in feed:
-            image.pop("image_sizes", None)
-        inputs.update(image)
-        if image_id is not None:
-            n = _feature_count(model, "image", image, batch)
-            placeholders.append([start, image_id, n or 1, end])
-    video_feed = "video" in feed or "video_frames" in feed
-    if video_feed and "pixel_values_videos" in params and "video_grid_thw" in params and video_id is not None:
-        vcfg = _sub(cfg, "vision_config") or cfg
-        merge = int(_first(vcfg, ("spatial_merge_size",), 2))
-        frames = 2
-        grid = (frames, 2 * merge, 2 * merge)
-        video = {"pixel_values_videos": _grid_pixels(vcfg, gen, [grid] * batch),
-                 "video_grid_thw": torch.tensor([grid] * batch)}
-        inputs.update(video)
-        n = _feature_count(model, "video", video, batch) or frames * 4
-        if "video_frames" in feed:
-            placeholders += [[start, video_id, n // frames, end] for _ in range(frames)]
-        else:
-            placeholders.append([start, video_id, n, end])
-    if "audio" in feed and "input_features" in params:
-        audio = _audio_inputs(cfg, params, gen, batch)
-        inputs.update(audio)
-        if audio_id is not None:
-            n = _feature_count(model, "audio", audio, batch)
-            placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
-    if "input_ids" in params or not inputs:
-        ids = torch.tensor([_row(SEQ, placeholders, gen)] * batch)
-        text = ids < high
-        ids[text] = torch.randint(TEXT_LOW, high, (int(text.sum()),), generator=gen)
-        inputs["input_ids"] = ids
-        if "attention_mask" in params:
-            inputs["attention_mask"] = torch.ones_like(ids)
-        if "token_type_ids" in params:
-            inputs["token_type_ids"] = (ids == image_id).long() if image_id is not None else torch.zeros_like(ids)
-        if "mm_token_type_ids" in params:
-            types = torch.zeros_like(ids)
-            for kind, token in ((1, image_id), (2, video_id), (3, audio_id)):
-                if token is not None:
-                    types[ids == token] = kind
-            inputs["mm_token_type_ids"] = types
-    return inputs, _labels(inputs, head, gen, batch, high)
-
-
-def fed_modalities(inputs: dict) -> list[str]:
-    """The modalities an input dict feeds, for the report."""
-    out = ["text"] if "input_ids" in inputs else []
-    out += [m for m, key in (("image", "pixel_values"), ("video", "pixel_values_videos"),
-                             ("audio", "input_features")) if key in inputs]
-    return out
-
-
-def _labels(inputs: dict, head: str, gen, batch: int, high: int) -> dict:
-    ids = inputs.get("input_ids")
-    if head == "classification":
-        return {"labels": torch.randint(0, 2, (batch,), generator=gen)}
-    if head == "seq2seq-lm":
-        return {"labels": torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)}
-    if ids is None:
-        return {}
-    if head == "masked-lm":
-        labels = torch.full_like(ids, -100)
-        labels[:, 2::3] = ids[:, 2::3]
-        return {"labels": labels}
-    labels = ids.clone()
-    labels[ids >= high] = -100
-    return {"labels": labels}
-
-
-def _plain_forward_error(model, inputs: dict) -> Exception | None:
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    except Exception as e:  # the caller tries the next input variant
-        return e
-    return None
-
-
-def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> tuple[dict, dict]:
-    """The richest input variant the model's plain forward accepts (the last one if none is accepted).
-
-    A forward that says how many image features it made ("... tokens: X, features: Y") gets a prompt with
-    that many placeholders."""
-    inputs, labels = make_inputs(model, cfg, head, seed, batch)
-    if head not in ("image-text-to-text", "seq2seq-lm") or not any(k != "input_ids" and k in inputs for k in (
-            "pixel_values", "pixel_values_videos", "input_features")):
-        return inputs, labels
-    tried: list = []
-    for feed in VARIANTS:
-        inputs, labels = make_inputs(model, cfg, head, seed, batch, feed)
-        key = tuple(sorted(inputs))
-        if key in tried:
-            continue
-        tried.append(key)
-        err = _plain_forward_error(model, inputs)
-        if err is None:
-            return inputs, labels
-        n = _image_count_from_error(err) if "token" in str(err) and "features" in str(err) else None
-        image_id = _token_id(cfg, "image")
-        if n and image_id is not None and "input_ids" in inputs:
-            gen = torch.Generator().manual_seed(seed + 1)
-            ids = torch.tensor([_row(SEQ, [[_token_id(cfg, "vision_start"), image_id, max(1, n // batch),
-                                            _token_id(cfg, "vision_end")]], gen)] * batch)
-            fixed = dict(inputs, input_ids=ids)
-            for k in ("attention_mask",):
-                if k in fixed:
-                    fixed[k] = torch.ones_like(ids)
-            for k in ("token_type_ids", "mm_token_type_ids"):
-                if k in fixed:
-                    fixed[k] = (ids == image_id).long()
-            fixed = {k: v for k, v in fixed.items() if k not in ("pixel_values_videos", "video_grid_thw")}
-            if _plain_forward_error(model, fixed) is None:
-                return fixed, _labels(fixed, head, gen, batch, min(TEXT_HIGH, _vocab(cfg)))
-    return inputs, labels
-
-
-def _model_class(head: str, cls_name: str):
+def _model_class(cls_name: str):
     import transformers
     return getattr(transformers, cls_name)
 
 
-def build_model_type(model_type: str, seed: int = 0) -> ModelCase:
-    """A tiny random model of `model_type` with its inputs and labels; the same seed gives the same ones."""
-    head, cls_name = head_of(model_type)
-    cfg = tiny_config(model_type)
-    cls = _model_class(head, cls_name)
+def build_model_type(model_type: str, seed: int = 0, head: str | None = None) -> ModelCase:
+    """A tiny random model of `model_type` (with `head`, default the type's own: see `heads.head_of`), its
+    inputs and labels; the same seed gives the same ones."""
+    head, cls_name = head_of(model_type, head)
+    cls = _model_class(cls_name)
+    cfg = _config_for(cls, tiny_config(model_type))
     torch.manual_seed(seed)
     try:
         model = cls._from_config(cfg, attn_implementation="sdpa")
     except (ValueError, ImportError):
         torch.manual_seed(seed)
         model = cls._from_config(cfg, attn_implementation="eager")
-    model = _ready(model)
-    inputs, labels = fitting_inputs(model, model.config, head, seed)
-    can_generate = head in ("image-text-to-text", "causal-lm", "seq2seq-lm") and _can_generate(model)
-    return ModelCase(model_type, model, inputs, labels=labels, can_generate=can_generate)
+    return _case(model_type, _ready(model), head, seed)
+
+
+def _config_for(cls, cfg):
+    """The config the class takes: the type's own, or the sub-config of the class's config class where the
+    head is built on one part of a composite model (MusicGen's causal LM on its decoder config)."""
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(cfg, wanted):
+        return cfg
+    for name in (getattr(cfg, "sub_configs", None) or {}):
+        sub = getattr(cfg, name, None)
+        if isinstance(sub, wanted):
+            return sub
+    return cfg
+
+
+def _case(name: str, model, head: str, seed: int) -> ModelCase:
+    inputs, labels, note = fitting_inputs(model, model.config, head, seed)
+    can_generate = HEAD_BY_NAME[head].generates and _can_generate(model)
+    return ModelCase(name, model, inputs, labels=labels, can_generate=can_generate, head=head, note=note)
 
 
 def _ready(model):
@@ -604,23 +447,13 @@ def load_path_model(path: str, seed: int = 0) -> ModelCase:
     except ImportError:  # an older hub without the switch: its bars stay
         pass
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    mappings = _candidates()
+    try:
+        head, cls_name = head_of(cfg.model_type)
+    except KeyError as e:
+        raise ValueError(f"census --model-path {path!r}: {e.args[0]}") from None
     torch.manual_seed(seed)
-    model = None
-    for head, mapping in mappings.items():
-        cls_name = mapping.get(cfg.model_type)
-        if not cls_name:
-            continue
-        cls = _model_class(head, cls_name if isinstance(cls_name, str) else cls_name[0])
-        model = cls.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
-        break
-    if model is None:
-        raise ValueError(f"census --model-path {path!r}: model type {cfg.model_type!r} has none of the census "
-                         f"heads ({', '.join(h for h, _ in HEADS)})")
-    model = _ready(model)
-    inputs, labels = fitting_inputs(model, model.config, head, seed)
-    can_generate = head in ("image-text-to-text", "causal-lm", "seq2seq-lm") and _can_generate(model)
-    return ModelCase(str(path), model, inputs, labels=labels, can_generate=can_generate)
+    model = _model_class(cls_name).from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
+    return _case(str(path), _ready(model), head, seed)
 
 
 def _config_classes(config_cls, seen: set) -> list:
@@ -653,4 +486,4 @@ def has_tp_plan(model_type: str) -> bool:
 
 
 __all__ = ["all_model_types", "head_of", "tiny_config", "make_inputs", "build_model_type", "load_path_model",
-           "has_tp_plan", "shrink_config_dict"]
+           "has_tp_plan", "shrink_config_dict", "fed_modalities", "head_mappings"]

@@ -21,8 +21,9 @@ from typing import Callable, Iterable
 
 from .census import MODES, RunReport, _modes, _run_one, replicated
 
-STATUSES = ("ok", "missing ops", "not equal", "failed", "plain failed", "not built", "timeout", "no tp plan")
-SETTLED = ("ok", "plain failed", "not built", "no tp plan")  # statuses a rerun leaves alone: fixes cannot change them
+SKIPS = ("no tp plan", "not applicable")  # types a scenario does not run, and says why
+STATUSES = ("ok", "missing ops", "not equal", "failed", "plain failed", "not built", "timeout") + SKIPS
+SETTLED = ("ok", "plain failed", "not built") + SKIPS  # statuses a rerun leaves alone: fixes cannot change them
 
 
 @dataclass
@@ -39,6 +40,7 @@ class TypeResult:
     timed_out: bool = False
     skipped: str | None = None                 # why the type was not run (e.g. no tp plan for --tp)
     fed: list = field(default_factory=list)    # the modalities its inputs feed (text, image, video, audio)
+    note: str = ""                             # what the builder left out (e.g. a head loss that fails plain)
 
     @property
     def plain_ok(self) -> bool:
@@ -88,7 +90,9 @@ class TypeResult:
 
     @property
     def why(self) -> str:
-        """The one line that says what went wrong (empty when ok)."""
+        """The one line that says what went wrong (empty when ok), or why a scenario does not apply."""
+        if self.skipped:
+            return self.note
         if self.build_error:
             return _last_line(self.build_error)
         for r in self.runs:  # a plain run that failed says why the type is not counted
@@ -116,10 +120,11 @@ class TypeResult:
                    build_error=(d.get("why") or "the type was not built") if status == "not built" else None,
                    runs=runs, seconds=float(d.get("seconds") or 0.0), cpu_seconds=d.get("cpu_seconds"),
                    timed_out=status == "timeout",
-                   skipped=status if status == "no tp plan" else None, fed=list(d.get("fed") or []))
+                   skipped=status if status in SKIPS else None, fed=list(d.get("fed") or []),
+                   note=d.get("note") or "")
 
     def to_dict(self) -> dict:
-        return {"head": self.head, "fed": self.fed, "built": self.built, "plain_ok": self.plain_ok, "status": self.status,
+        return {"head": self.head, "fed": self.fed, "note": self.note, "built": self.built, "plain_ok": self.plain_ok, "status": self.status,
                 "ops": dict(sorted(self.ops.items())), "missing": dict(sorted(self.missing.items())),
                 "equal": self.equal, "seconds": round(self.seconds, 2),
                 "cpu_seconds": None if self.cpu_seconds is None else round(self.cpu_seconds, 2), "why": self.why,
@@ -157,7 +162,20 @@ class TypeCensus:
         cpu = [r.cpu_seconds for r in self.results if r.cpu_seconds is not None]
         return {"scenario": self.scenario, "types": len(self.results), "plain_ok": len(counted), "ok": len(ok),
                 "ok_share": round(len(ok) / len(counted), 4) if counted else None,
-                "statuses": statuses, "seconds": round(self.seconds, 1), "cpu_seconds": round(sum(cpu), 1)}
+                "statuses": statuses, "heads": self.by_head(), "seconds": round(self.seconds, 1),
+                "cpu_seconds": round(sum(cpu), 1)}
+
+    def by_head(self) -> dict:
+        """head -> {"types", "plain_ok", "ok", "not applicable"}: the counts per head kind, most types first."""
+        out: dict = {}
+        for r in self.results:
+            c = out.setdefault(r.head or "?", {"types": 0, "plain_ok": 0, "ok": 0, "not applicable": 0})
+            c["types"] += 1
+            c["not applicable"] += bool(r.skipped)
+            if r.plain_ok and not r.skipped:
+                c["plain_ok"] += 1
+                c["ok"] += r.status == "ok"
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1]["types"], kv[0])))
 
     def missing_union(self) -> dict:
         """op -> number of types that miss it (most common first)."""
@@ -193,11 +211,11 @@ class TypeCensus:
 
     def table(self) -> str:
         width = max([len("type")] + [len(r.model_type) for r in self.results])
-        head = f"{'type':<{width}} {'head':<18} {'status':<12} {'ops':>4} {'miss':>4} {'equal':<5} {'time':>6}  why"
+        head = f"{'type':<{width}} {'head':<18} {'status':<14} {'ops':>4} {'miss':>4} {'equal':<5} {'time':>6}  why"
         lines = [head, "-" * len(head)]
         for r in self.results:
             eq = "-" if r.equal is None else ("yes" if r.equal else "NO")
-            lines.append(f"{r.model_type:<{width}} {r.head:<18} {r.status:<12} {len(r.ops):>4} {len(r.missing):>4} "
+            lines.append(f"{r.model_type:<{width}} {r.head:<18} {r.status:<14} {len(r.ops):>4} {len(r.missing):>4} "
                          f"{eq:<5} {r.seconds:>5.1f}s  {r.why[:100]}")
         s = self.summary()
         lines.append("-" * len(head))
@@ -210,54 +228,104 @@ class TypeCensus:
         return "\n".join(lines)
 
     def markdown(self, command: str = "") -> str:
-        """The report as a markdown page (docs/census.md)."""
+        """The report as a markdown page (docs/census*.md)."""
         s = self.summary()
         share = "-" if s["ok_share"] is None else f"{100 * s['ok_share']:.1f}%"
         commands = self.commands + ([command] if command and command not in self.commands else [])
         made_by = " then ".join(f"`{c}`" for c in commands)
-        single = s["scenario"] == "single"
-        page = "census" if single else f"census-{s['scenario'].replace(' ', '')}"
-        flags = "" if single else f" --{s['scenario']}"
-        default = f"`hyper-parallel census --model-type all{flags} --markdown docs/{page}.md`"
-        out = ["# Census of transformers model types" + ("" if single else f" ({s['scenario']})"), "",
+        kind, _, world = s["scenario"].partition(" ")
+        page = "census" if kind == "single" else f"census-{kind}{world}"
+        flags = "" if kind == "single" else (" --plain" if kind == "plain" else f" --{kind} {world}")
+        default = f"`hyper-parallel census --model-type all{flags} --jobs 2 --markdown docs/{page}.md`"
+        out = ["# Census of transformers model types" + ("" if kind == "single" else f" ({s['scenario']})"), "",
                f"Generated by {made_by or default} (with `--markdown`); do not edit by hand.", "",
-               "Every model type transformers can build with an image-text-to-text, causal-LM, seq2seq-LM, "
-               "masked-LM or sequence-classification head, built tiny from its default config, runs generate "
-               "(forward for heads that do not generate) and one training step, plain and with DTensor inputs "
-               "(and parameters, for training) on the census layout; `equal` compares tokens, logits, loss and "
-               "gradients with the plain run, and the parameters after AdamW with a plain AdamW step on the run's "
-               "own gradients (float sums taken in another order stay within rounding). A type whose plain run fails is not "
-               "counted." + (" With `--tp N` each type runs on N gloo processes, laid out by `shard(model, "
-                             "\"auto\", mesh)` from its own base_model_tp_plan (attention whose heads do not divide "
-                             "stays replicated); types without a plan are named at the end, not run."
-                             if s["scenario"].startswith("tp") else ""), "",
+               _ABOUT + (_SCENARIO_ABOUT.get(kind, "")), "",
                f"- scenario: {s['scenario']}", f"- types: {s['types']}",
                f"- plain run works: {s['plain_ok']}",
-               f"- generate and train with 0 missing ops and equal results: {s['ok']} ({share} of those)",
-               f"- statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(s["statuses"].items())),
-               f"- wall time: {self.seconds:.0f}s", ""]
+               f"- 0 missing ops and equal results: {s['ok']} ({share} of those)",
+               "- statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(s["statuses"].items())),
+               f"- wall time: {self.seconds:.0f}s (CPU {s['cpu_seconds']:.0f}s)", "",
+               "## Per head", "", "| head | types | plain run works | ok | not applicable |", "|---|---|---|---|---|"]
+        out += [f"| {h} | {c['types']} | {c['plain_ok']} | {c['ok']} | {c['not applicable']} |"
+                for h, c in s["heads"].items()]
+        out.append("")
         miss = self.missing_union()
         if miss:
             out += ["## Missing ops", "", "| op | types |", "|---|---|"]
             out += [f"| `{op}` | {n} |" for op, n in miss.items()]
             out.append("")
-        out += ["## Types", "", "| type | head | status | ops | missing | equal | seconds | why |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["## Types", "", "| type | head | fed | status | ops | missing | equal | seconds | why |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in self.results:
             if r.skipped:
                 continue
             eq = "-" if r.equal is None else ("yes" if r.equal else "no")
-            why = r.why.replace("|", "\\|").replace("\n", " ")[:160]
-            out.append(f"| {r.model_type} | {r.head} | {r.status} | {len(r.ops)} | {len(r.missing)} | {eq} | "
-                       f"{r.seconds:.1f} | {why} |")
+            why = _cell(r.why or r.note)
+            out.append(f"| {r.model_type} | {r.head} | {' '.join(r.fed)} | {r.status} | {len(r.ops)} | "
+                       f"{len(r.missing)} | {eq} | {r.seconds:.1f} | {why} |")
         out.append("")
-        skipped: dict = {}
+        out += self._not_counted() + self._skipped() + self._overrides()
+        return "\n".join(out)
+
+    def _not_counted(self) -> list:
+        """The types whose plain run fails (or that do not build), with the transformers error that stops them."""
+        rows = [r for r in self.results if not r.skipped and not r.plain_ok]
+        if not rows:
+            return []
+        out = [f"## Not counted: {len(rows)} types whose tiny model does not build or run plain", "",
+               "| type | head | status | the error that stops it |", "|---|---|---|---|"]
+        out += [f"| {r.model_type} | {r.head} | {r.status} | {_cell(r.why)} |" for r in rows]
+        return out + [""]
+
+    def _skipped(self) -> list:
+        groups: dict = {}
         for r in self.results:
             if r.skipped:
-                skipped.setdefault(r.skipped, []).append(r.model_type)
-        for why, types in skipped.items():
-            out += [f"## Not run ({why}): {len(types)} types", "", ", ".join(types), ""]
-        return "\n".join(out)
+                groups.setdefault((r.skipped, r.note), []).append(r.model_type)
+        out = []
+        for (status, why), types in groups.items():
+            out += [f"## Not run ({status}{': ' + why if why else ''}): {len(types)} types", "", ", ".join(types), ""]
+        return out
+
+    def _overrides(self) -> list:
+        from .tiny_overrides import OVERRIDES
+        used = [(r.model_type, OVERRIDES[r.model_type].why) for r in self.results if r.model_type in OVERRIDES]
+        if not used:
+            return []
+        out = ["## Per-type tiny-config overrides (hyper_parallel/tools/tiny_overrides.py)", "",
+               "| type | why the generic tiny config needs help |", "|---|---|"]
+        return out + [f"| {t} | {_cell(why)} |" for t, why in used] + [""]
+
+
+def _cell(text: str) -> str:
+    return (text or "").replace("|", "\\|").replace("\n", " ")[:160]
+
+
+_ABOUT = ("Every model type transformers has a model class for, built tiny from its default config (shrunk "
+          "generically, with a few per-type overrides listed at the end) with the first head it has in "
+          "`hyper_parallel/tools/heads.py` (every `MODEL_FOR_*_MAPPING_NAMES` head, the base model for a type with "
+          "none), fed inputs for its modalities (`fed`: text, image, video, audio, points). Each type runs "
+          "generate (heads that generate) or a forward, and one training step (the head's own loss, else a sum of "
+          "its outputs' mean squares), plain and with DTensor inputs and parameters; `equal` compares tokens, "
+          "every output, the loss and the gradients with the plain run, and the parameters after AdamW with a "
+          "plain AdamW step on the run's own gradients (floats within 1e-5 of their magnitude above 1, gradients "
+          "within 1e-4: sums taken in another order). A type whose plain run fails is not counted (listed with "
+          "its error at the end).")
+_SCENARIO_ABOUT = {
+    "plain": " This page is the plain run alone (`--plain`): it checks the tiny configs and inputs.",
+    "dp": " With `--dp N` each type runs on N gloo processes with the batch split over them.",
+    "tp": " With `--tp N` each type runs on N gloo processes, laid out by `shard(model, \"auto\", mesh)` from its "
+          "own base_model_tp_plan (attention whose heads do not divide stays replicated); types without a plan "
+          "are named at the end, not run.",
+    "ep": " With `--ep N` each type runs on N gloo processes through `expert_parallel(model, mesh, \"ep\")` "
+          "(experts spread, the batch split); dense types are named at the end as not applicable.",
+    "cp": " With `--cp N` each type runs on N gloo processes through `context_parallel(model, mesh, \"cp\")` (ring "
+          "attention, the sequence split); generate mode compares the prefill forward; types without a decoder "
+          "are named at the end as not applicable.",
+    "pp": " With `--pp N` each type runs one training step through `pipeline(model, mesh, \"pp\")` (1F1B, 2 "
+          "micro-batches) on N gloo processes; the loss and every stage's gradients are compared with the plain "
+          "step; types without a decoder are named at the end as not applicable.",
+}
 
 
 # ---- the child processes ----------------------------------------------------------------------------
@@ -269,12 +337,12 @@ def _free_port() -> int:
 
 def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, record: bool, conn,
                 rank: int = 0, world: int = 1, port: int = 0, scenario: str = "single") -> None:
-    """One type in one process (one rank of `world`): sends ("built", head), then one RunReport per mode."""
+    """One type in one process (one rank of `world`): sends ("built", head, ...) or ("skip", reason), then one
+    RunReport per mode."""
     import torch
     torch.set_num_threads(1)
     from .auto_models import build_model_type, fed_modalities, head_of
-    wrap_input = wrap_param = replicated
-    shard_model = None
+    from .census_scenarios import make_scenario
     try:
         if world > 1:
             import torch.distributed as dist
@@ -282,18 +350,7 @@ def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, r
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                               WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-            from ..dtensor.dtensor import distribute_tensor
-            from ..layout.layout import Layout
-            if scenario == "dp":
-                mesh = Layout((world,), ("dp",))
-                wrap_input = lambda t: (distribute_tensor(t, mesh("dp", *(["None"] * (t.ndim - 1))))  # noqa: E731
-                                        if t.ndim and t.shape[0] % world == 0 else replicated(t, mesh))
-            else:
-                mesh = Layout((world,), ("tp",))
-                wrap_input = lambda t: replicated(t, mesh)  # noqa: E731
-                from ..parallel.shard import shard
-                shard_model = lambda m: shard(m, "auto", mesh, src_data_rank=None)  # noqa: E731
-            wrap_param = lambda t: replicated(t, mesh)  # noqa: E731
+        plan = make_scenario(scenario, world)
         head, _ = head_of(model_type)
         try:
             template = build_model_type(model_type, seed)
@@ -302,13 +359,18 @@ def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, r
                 conn.send(("build_error", head, traceback.format_exc()))
             return
         if rank == 0:
-            conn.send(("built", head, fed_modalities(template.inputs)))
+            conn.send(("built", head, (fed_modalities(template.inputs), template.note)))
+        reason = plan.not_applicable(template)
+        if reason is not None:
+            if rank == 0:
+                conn.send(("skip", reason, None))
+            return
 
         def build():  # a copy of the one built model: building is slower than copying
             return copy.deepcopy(template)
 
-        for md in modes:
-            r = _run_one(model_type, md, build, max_new_tokens, wrap_input, wrap_param, record, shard_model)
+        for md in plan.modes(modes):
+            r = plan.run(model_type, md, build, max_new_tokens, record)
             if rank == 0:
                 conn.send(("run", md, asdict(r)))
     finally:
@@ -397,9 +459,12 @@ def _drain(job: _Job) -> bool:
         while job.conn.poll():
             kind, a, b = job.conn.recv()
             if kind == "built":
-                job.result.built, job.result.head, job.result.fed = True, a, b
+                job.result.built, job.result.head = True, a
+                job.result.fed, job.result.note = b
             elif kind == "build_error":
                 job.result.head, job.result.build_error = a, b
+            elif kind == "skip":
+                job.result.skipped, job.result.note = "not applicable", a
             elif kind == "run":
                 job.result.runs.append(RunReport(**b))
             elif kind == "done":
@@ -427,7 +492,7 @@ def _finish_job(job: _Job, timed_out: bool) -> TypeResult:
 
 
 def _head_name(model_type: str) -> str:
-    from .auto_models import head_of
+    from .heads import head_of
     try:
         return head_of(model_type)[0]
     except KeyError:
@@ -448,7 +513,7 @@ def _preload() -> None:
 
 
 def resolve_types(types: Iterable[str]) -> list[str]:
-    from .auto_models import all_model_types
+    from .heads import all_model_types
     out: list = []
     for t in types:
         out.extend(all_model_types() if t == "all" else [t])
@@ -456,21 +521,27 @@ def resolve_types(types: Iterable[str]) -> list[str]:
 
 
 def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, dp: int = 0, tp: int = 0,
-                    timeout: float = 300.0, max_new_tokens: int = 3, seed: int = 0, record: bool = True,
-                    progress: Callable[[str], None] | None = None) -> TypeCensus:
+                    ep: int = 0, cp: int = 0, pp: int = 0, timeout: float = 300.0, max_new_tokens: int = 3,
+                    seed: int = 0, record: bool = True, progress: Callable[[str], None] | None = None,
+                    plain: bool = False) -> TypeCensus:
     """Run the census on transformers model types ("all" for every one with a census head).
 
     Single-card by default (one process per type, inputs and parameters replicated on the census layout);
     `dp=N`: N gloo processes per type with the batch split; `tp=N`: N gloo processes per type with
-    `shard(model, "auto")` (types whose config declares no base_model_tp_plan are listed as "no tp plan").
+    `shard(model, "auto")` (types whose config declares no base_model_tp_plan are listed as "no tp plan");
+    `ep`, `cp`, `pp`: N processes per type with expert_parallel, context_parallel or pipeline (see
+    census_scenarios; types a parallelism does not apply to are listed as "not applicable", with why).
     `jobs` types run at once; a type that has used `timeout` seconds of CPU without finishing is killed
-    ("timeout"; see `_over_time` for the wall-time bounds that catch hangs).
+    ("timeout"; see `_over_time` for the wall-time bounds that catch hangs). `plain`: build each type and run
+    it on plain tensors only (a check of the tiny configs and inputs; scenario "plain").
     """
     _preload()
     from .auto_models import has_tp_plan
-    if dp and tp:
-        raise ValueError("census: give --dp or --tp, not both")
-    scenario, world = ("dp", dp) if dp else (("tp", tp) if tp else ("single", 1))
+    from .census_scenarios import not_applicable_before_building
+    given = {k: v for k, v in (("dp", dp), ("tp", tp), ("ep", ep), ("cp", cp), ("pp", pp)) if v}
+    if len(given) > 1 or (given and plain):
+        raise ValueError(f"census: give one scenario, not {' and '.join(given) + (' and plain' if plain else '')}")
+    scenario, world = next(iter(given.items())) if given else ("plain" if plain else "single", 1)
     names = resolve_types(types)
     modes = _modes(mode)
     census = TypeCensus(scenario=f"{scenario}" + (f" {world}" if world > 1 else ""))
@@ -499,6 +570,10 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
                 if not planned:
                     report(TypeResult(t, head=_head_name(t), skipped="no tp plan"))
                     continue
+            reason = not_applicable_before_building(scenario, t, _head_name(t))
+            if reason is not None:  # known from the head or the config: the type is not even built
+                report(TypeResult(t, head=_head_name(t), skipped="not applicable", note=reason))
+                continue
             running.append(_start(t, modes, max_new_tokens, seed, record, scenario, world))
         time.sleep(0.05)
         for job in list(running):

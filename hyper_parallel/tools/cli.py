@@ -16,14 +16,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="a local Hugging Face checkpoint folder (never downloaded), fed every modality its config "
                         "declares; repeatable")
     c.add_argument("--model-type", action="append", default=[], metavar="TYPE",
-                   help="any transformers model_type (repeatable), or 'all': a tiny random model of that type built "
-                        "from its default config, each type in its own process")
+                   help="any transformers model_type (repeatable, or comma-separated), or 'all': a tiny random model "
+                        "of that type built from its default config, each type in its own process")
     c.add_argument("--types-from", metavar="FILE.json",
                    help="--model-type: also the types whose plain run worked in an earlier report (its --json)")
     c.add_argument("--rerun", metavar="FILE.json",
                    help="re-run the types of an earlier --model-type report (its --json) whose status a fix may "
                         "change (not ok / plain failed / not built / no tp plan), in its scenario, and write the "
                         "merged report with --json / --markdown (FILE itself is only read)")
+    c.add_argument("--rerun-plain", action="store_true",
+                   help="with --rerun: also the types whose tiny model did not build or run plain (after a fix of "
+                        "the tiny configs or inputs)")
     c.add_argument("--jobs", type=int, default=1, metavar="N", help="--model-type: types run at once (default 1)")
     c.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="--model-type: CPU seconds a type may use before it is killed (default 300; a type that stops "
@@ -31,6 +34,16 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", type=int, default=0, metavar="N",
                    help="--model-type: N gloo processes per type, the model laid out by shard(model, 'auto') "
                         "(types whose config has no base_model_tp_plan are listed as such)")
+    for flag, what in (("ep", "expert_parallel(model, mesh, 'ep'): experts spread, batch split (dense types: not "
+                               "applicable)"),
+                       ("cp", "context_parallel(model, mesh, 'cp'): sequence split, prefill and training compared "
+                              "(types without a decoder: not applicable)"),
+                       ("pp", "pipeline(model, mesh, 'pp'): one 1F1B training step over the stages (types without "
+                              "a decoder: not applicable)")):
+        c.add_argument(f"--{flag}", type=int, default=0, metavar="N", help=f"--model-type: N gloo processes per "
+                                                                            f"type, {what}")
+    c.add_argument("--plain", action="store_true",
+                   help="--model-type: build each type and run it on plain tensors only (checks the tiny configs)")
     c.add_argument("--markdown", metavar="FILE", help="--model-type: also write the report as markdown "
                                                        "(docs/census.md is generated this way)")
     c.add_argument("--mode", choices=("generate", "train", "all"), default="all",
@@ -78,8 +91,8 @@ def census_main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown model(s) {', '.join(unknown)}; built-in: {', '.join(MODELS)}", file=sys.stderr)
         return 2
-    if args.tp:
-        print("hyper-parallel census: --tp runs with --model-type", file=sys.stderr)
+    if args.tp or args.ep or args.cp or args.pp or args.plain:
+        print("hyper-parallel census: --tp / --ep / --cp / --pp / --plain run with --model-type", file=sys.stderr)
         return 2
     from .census import run_census, write_json
     start = time.perf_counter()
@@ -114,7 +127,9 @@ def _command(args: argparse.Namespace) -> str:
     """The census command line that reproduces a type census (written into its markdown report)."""
     parts = ["hyper-parallel census"] + [f"--model-type {t}" for t in args.model_type]
     parts += [f"--{k} {v}" for k, v in (("types-from", args.types_from), ("rerun", args.rerun)) if v]
-    parts += [f"--{k} {v}" for k, v in (("dp", args.dp), ("tp", args.tp), ("jobs", args.jobs)) if v]
+    parts += [f"--{k} {getattr(args, k)}" for k in SCENARIO_FLAGS + ("jobs",) if getattr(args, k)]
+    parts += ["--plain"] if args.plain else []
+    parts += ["--rerun-plain"] if args.rerun_plain else []
     if args.mode != "all":
         parts.append(f"--mode {args.mode}")
     return " ".join(parts)
@@ -124,6 +139,7 @@ def _type_census(args: argparse.Namespace) -> int:
     """`census --model-type ...`: each type built tiny in its own process (see tools/census_types.py)."""
     from .auto_models import all_model_types
     from .census_types import read_type_json, run_type_census, write_type_json
+    args.model_type = [t for given in args.model_type for t in given.split(",") if t]  # "a,b" or repeated
     base = None
     command = _command(args)  # before the types of --rerun / --types-from join args.model_type
     try:
@@ -131,7 +147,9 @@ def _type_census(args: argparse.Namespace) -> int:
             base = read_type_json(args.rerun)
             if not _scenario_from(args, base.scenario):
                 return 2
-            args.model_type = base.to_rerun() + [t for t in args.model_type if t not in base.to_rerun()]
+            again = base.to_rerun() + ([r.model_type for r in base.results if r.status in ("plain failed", "not built")]
+                                       if args.rerun_plain else [])
+            args.model_type = again + [t for t in args.model_type if t not in again]
         if args.types_from:
             earlier = read_type_json(args.types_from)
             args.model_type = list(dict.fromkeys(args.model_type + [r.model_type for r in earlier.counted()]))
@@ -142,13 +160,17 @@ def _type_census(args: argparse.Namespace) -> int:
     known = set(all_model_types())
     unknown = [t for t in args.model_type if t != "all" and t not in known]
     if unknown:
-        print(f"hyper-parallel census: model type(s) {', '.join(unknown)} have none of the census heads "
-              f"(image-text-to-text, causal-LM, seq2seq-LM, masked-LM, sequence classification) in this "
+        print(f"hyper-parallel census: model type(s) {', '.join(unknown)} have no model class in this "
               f"transformers; `--model-type all` runs the {len(known)} that do", file=sys.stderr)
         return 2
-    report = run_type_census(args.model_type, args.mode, jobs=args.jobs, dp=args.dp, tp=args.tp,
-                             timeout=args.timeout, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                             progress=lambda line: print(line, flush=True))
+    try:
+        report = run_type_census(args.model_type, args.mode, jobs=args.jobs, timeout=args.timeout,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, plain=args.plain,
+                                 progress=lambda line: print(line, flush=True),
+                                 **{k: getattr(args, k) for k in SCENARIO_FLAGS})
+    except ValueError as e:
+        print(f"hyper-parallel census: {e}", file=sys.stderr)
+        return 2
     report.commands = [command]
     if base is not None:
         report = base.merged(report)
@@ -172,15 +194,20 @@ def _type_census(args: argparse.Namespace) -> int:
 def _scenario_from(args: argparse.Namespace, scenario: str) -> bool:
     """--rerun: take the report's scenario ("dp 2", "tp 2", "single"); False (after saying why) on a mismatch."""
     kind, _, world = scenario.partition(" ")
-    wanted = {"dp": args.dp, "tp": args.tp}
-    if kind in wanted and not wanted[kind] and not any(wanted.values()):
+    wanted = {k: getattr(args, k) for k in SCENARIO_FLAGS}
+    if kind in wanted and not any(wanted.values()):
         setattr(args, kind, int(world))
-    given = "dp" if args.dp else ("tp" if args.tp else "single")
-    if (given, str(args.dp or args.tp or "")) != (kind, world):
+    if kind == "plain" and not any(wanted.values()):
+        args.plain = True
+    given = next((k for k in SCENARIO_FLAGS if getattr(args, k)), "plain" if args.plain else "single")
+    if (given, str(getattr(args, given, "") or "")) != (kind, world):
         print(f"hyper-parallel census: --rerun {args.rerun} is a {scenario!r} report; rerun it in that scenario "
-              f"(drop --dp / --tp, or give the same)", file=sys.stderr)
+              f"(drop --dp / --tp / --ep / --cp / --pp / --plain, or give the same)", file=sys.stderr)
         return False
     return True
+
+
+SCENARIO_FLAGS = ("dp", "tp", "ep", "cp", "pp")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,8 @@ class ModelCase:
     can_generate: bool = True
     generate_kwargs: dict = field(default_factory=dict)
     max_tokens_arg: str = "max_new_tokens"   # the full Omni model takes thinker_max_new_tokens
+    head: str = ""                           # the head it was built with (heads.HEADS), where known
+    note: str = ""                           # what the builder could not do (e.g. the head's loss, plain)
 
 
 @dataclass

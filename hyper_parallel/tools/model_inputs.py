@@ -1,0 +1,482 @@
+"""Inputs for a tiny model of any transformers type: every modality its forward takes, and the labels its
+head's loss takes.
+
+`make_inputs(model, cfg, head)` reads the forward's signature and the config: token ids with masks, token
+types and boxes; images (pixel values with their grids or sizes, or a video's frames for a video head);
+audio (waveforms or spectrogram features, shaped as the config says); point prompts; time series; and the
+image / video / audio placeholder tokens a multimodal model expects, counted by running its own feature
+extractor once. `head_labels` gives the labels of the head's own loss (tokens, classes, spans, CTC targets,
+boxes, pixel classes, a contrastive loss); `fitting_inputs` keeps the richest variant the plain model
+accepts, and drops labels whose loss the plain model cannot take (it then trains on a sum of its outputs).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+
+from .heads import HEAD_BY_NAME
+from .models import BATCH
+
+VOCAB = 256
+SEQ = 8
+TEXT_LOW, TEXT_HIGH = 3, 96      # random text ids; special ids are moved above TEXT_HIGH
+WAVE = 3200                      # samples of a waveform (0.2 s at 16 kHz)
+
+# ---- reading the config ---------------------------------------------------------------------------------------
+def _forward_params(model) -> set:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _sub(cfg, *names):
+    for n in names:
+        sub = getattr(cfg, n, None)
+        if sub is not None and not isinstance(sub, (int, float, str, bool, list, dict)):
+            return sub
+    return None
+
+
+def _first(cfg, names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None) if cfg is not None else None
+        if v is not None:
+            return v
+    return default
+
+
+def _token_id(cfg, kind: str):
+    return _first(cfg, (f"{kind}_token_id", f"{kind}_token_index", f"{kind}_token"))
+
+
+def _vocab(cfg) -> int:
+    text = _sub(cfg, "text_config", "decoder", "language_config", "llm_config") or cfg
+    return int(_first(text, ("vocab_size",), _first(cfg, ("vocab_size",), VOCAB)))
+
+
+def _image_count_from_error(err: BaseException) -> int | None:
+    m = re.search(r"features[:\s]*(\d+)", str(err))
+    return int(m.group(1)) if m else None
+
+
+def _count_features(features, batch: int) -> int | None:
+    """Placeholder tokens per sample from what a model's get_*_features returned."""
+    if hasattr(features, "pooler_output") and features.pooler_output is not None:
+        features = features.pooler_output
+    elif hasattr(features, "last_hidden_state") and not isinstance(features, torch.Tensor):
+        features = features.last_hidden_state
+    if isinstance(features, (list, tuple)):
+        if features and all(isinstance(f, torch.Tensor) for f in features):
+            rows = sum(f.shape[0] if f.ndim <= 2 else f.shape[0] * f.shape[1] for f in features)
+            return rows // batch
+        return None
+    if isinstance(features, torch.Tensor):
+        if features.ndim >= 3:
+            return features.shape[0] * features.shape[1] // batch
+        if features.ndim == 2:
+            return features.shape[0] // batch
+    return None
+
+
+def _grid_pixels(vcfg, gen, grids) -> torch.Tensor:
+    patch = int(_first(vcfg, ("patch_size",), 4))
+    tps = int(_first(vcfg, ("temporal_patch_size",), 1))
+    chans = int(_first(vcfg, ("in_channels", "in_chans", "num_channels"), 3))
+    n = sum(t * h * w for t, h, w in grids)
+    return torch.randn(n, chans * tps * patch * patch, generator=gen)
+
+
+def _image_inputs(model, cfg, params: set, gen, batch: int) -> dict:
+    """pixel_values (and grids / sizes) for one image per sample, in the layout the model's forward takes."""
+    vcfg = _sub(cfg, "vision_config", "vision_tower_config", "visual", "vision_encoder_config") or cfg
+    out: dict = {}
+    if "image_grid_thw" in params:
+        merge = int(_first(vcfg, ("spatial_merge_size", "merge_size"), 2))
+        t = 1
+        grid = (t, 2 * merge, 2 * merge)
+        out["pixel_values"] = _grid_pixels(vcfg, gen, [grid] * batch)
+        out["image_grid_thw"] = torch.tensor([grid] * batch)
+        return out
+    size = _first(vcfg, ("image_size", "img_size"), 32)
+    if isinstance(size, (list, tuple)):
+        h, w = int(size[0]), int(size[-1])
+    elif isinstance(size, dict):
+        h, w = int(size.get("height", 32)), int(size.get("width", 32))
+    else:
+        h = w = int(size)
+    chans = int(_first(vcfg, ("num_channels", "in_channels", "in_chans"), 3))
+    out["pixel_values"] = torch.randn(batch, chans, h, w, generator=gen)
+    if "image_sizes" in params:
+        out["image_sizes"] = torch.tensor([[h, w]] * batch)
+    return out
+
+
+def _feature_count(model, kind: str, inputs: dict, batch: int) -> int | None:
+    fn = None
+    for owner in (model, getattr(model, "model", None)):
+        fn = getattr(owner, f"get_{kind}_features", None) if owner is not None else None
+        if fn is not None:
+            break
+    if fn is None:
+        return None
+    params = set(inspect.signature(fn).parameters)
+    kwargs = {k: v for k, v in inputs.items() if k in params}
+    with torch.no_grad():
+        try:
+            return _count_features(fn(**kwargs), batch)
+        except Exception:  # the count then comes from the forward's own mismatch message
+            return None
+
+
+
+
+def _video_frames(model, cfg, params: set, gen, batch: int) -> dict:
+    """pixel_values of a video head: (batch, frames, channels, height, width) at the config's frame count."""
+    vcfg = _sub(cfg, "vision_config") or cfg
+    image = _image_inputs(model, cfg, params, gen, batch)["pixel_values"]
+    frames = int(_first(vcfg, ("num_frames", "frames_per_clip"), 4))
+    return {"pixel_values": torch.randn(batch, frames, *image.shape[1:], generator=gen)}
+
+
+def _audio_features(cfg, params: set, gen, batch: int, time_first: bool = False) -> dict:
+    """input_features: (batch, mel bins, frames) as Whisper's encoder takes them, or (batch, frames, features)
+    where the config counts features per frame (Speech2Text's input_feat_per_channel) or `time_first` says
+    so (a conformer's)."""
+    acfg = _sub(cfg, "audio_config", "audio_encoder_config", "encoder_config", "encoder") or cfg
+    if isinstance(_first(acfg, ("input_feat_per_channel",)), int):
+        feats = int(acfg.input_feat_per_channel) * int(_first(acfg, ("input_channels",), 1))
+        return {"input_features": torch.randn(batch, 32, feats, generator=gen)}
+    mels = int(_first(acfg, ("num_mel_bins", "n_mels", "feature_size", "input_feat_size", "num_mels"), 16))
+    frames = min(2 * int(_first(acfg, ("max_source_positions",), 32)), 64)
+    shape = (batch, frames, mels) if time_first else (batch, mels, frames)
+    out = {"input_features": torch.randn(*shape, generator=gen)}
+    for mask in ("feature_attention_mask", "input_features_mask", "audio_attention_mask"):
+        if mask in params:
+            out[mask] = torch.ones(batch, frames, dtype=torch.long)
+            break
+    return out
+
+
+def _audio_values(cfg, gen, batch: int, channels: int | None = None) -> dict:
+    """input_values: a waveform (batch, samples); a codec's (batch, channels, samples), with the config's
+    audio_channels or `channels`; or a spectrogram (batch, frames, mel bins) where the config says how many
+    frames it takes (the Audio Spectrogram Transformer's max_length)."""
+    if isinstance(getattr(cfg, "max_length", None), int) and isinstance(getattr(cfg, "num_mel_bins", None), int):
+        return {"input_values": torch.randn(batch, cfg.max_length, cfg.num_mel_bins, generator=gen)}
+    channels = getattr(cfg, "audio_channels", None) if channels is None else channels
+    if isinstance(channels, int):
+        return {"input_values": torch.randn(batch, channels, WAVE, generator=gen)}
+    return {"input_values": torch.randn(batch, WAVE, generator=gen)}
+
+
+def _row(text: int, placeholders: list, gen) -> list:
+    """Token ids: a little text, then each placeholder run wrapped in its start/end ids, then text."""
+    ids = torch.randint(TEXT_LOW, TEXT_HIGH, (text,), generator=gen).tolist()
+    row = ids[: text // 2]
+    for start, token, n, end in placeholders:
+        row += ([start] if start is not None else []) + [token] * n + ([end] if end is not None else [])
+    return row + ids[text // 2:]
+
+
+def _boxes(batch: int, seq: int, gen) -> torch.Tensor:
+    """Token bounding boxes (x0, y0, x1, y1) in 0..1000 with x0 <= x1, y0 <= y1 (LayoutLM's bbox)."""
+    a = torch.randint(0, 500, (batch, seq, 2), generator=gen)
+    return torch.cat([a, a + torch.randint(0, 500, (batch, seq, 2), generator=gen)], -1)
+
+
+# the input variants tried in order: every modality first, then fewer, until the plain forward accepts one
+VARIANTS = (
+    {"image", "video", "audio", "image_sizes"},
+    {"image", "video", "audio"},
+    {"image", "video_frames", "audio"},
+    {"image", "audio"},
+    {"image"},
+    {"audio"},
+    set(),
+)
+
+
+# where the config does not say how a modality is laid out, the layouts tried in turn (see fitting_inputs):
+# spectrogram frames last or first, a waveform with a channel dim, images grouped per sample (Idefics3's
+# (batch, images, channels, height, width))
+LAYOUTS = ({}, {"audio_time_first": True}, {"wave_channels": 1}, {"images_per_sample": True})
+
+
+def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
+                feed: set | None = None, layout: dict | None = None) -> tuple[dict, dict]:
+    """(inputs, labels) for `model`: every modality its forward takes and its config declares.
+
+    `feed` limits the modalities ("image", "image_sizes", "video" or "video_frames" (one placeholder run per
+    frame, as Qwen3-VL's processor writes them), "audio"); None feeds all. `layout` (one of LAYOUTS) says how
+    audio is laid out where the config does not."""
+    feed = VARIANTS[0] if feed is None else feed
+    layout = layout or {}
+    gen = torch.Generator().manual_seed(seed)
+    params = _forward_params(model)
+    vocab = _vocab(cfg)
+    high = min(TEXT_HIGH, vocab)
+    inputs: dict = {}
+    placeholders: list = []
+    image_id, video_id, audio_id = _token_id(cfg, "image"), _token_id(cfg, "video"), _token_id(cfg, "audio")
+    start, end = _token_id(cfg, "vision_start"), _token_id(cfg, "vision_end")
+    if "image" in feed and head == "video-classification" and "pixel_values" in params:
+        inputs.update(_video_frames(model, cfg, params, gen, batch))
+    elif "image" in feed and "pixel_values" in params:
+        image = _image_inputs(model, cfg, params, gen, batch)
+        if "image_sizes" not in feed:
+            image.pop("image_sizes", None)
+        inputs.update(image)
+        if image_id is not None:
+            n = _feature_count(model, "image", image, batch)
+            placeholders.append([start, image_id, n or 1, end])
+    if "image" in feed and "pixel_values_videos" in params and "video_grid_thw" not in params and \
+            head == "video-classification":
+        inputs["pixel_values_videos"] = _video_frames(model, cfg, params, gen, batch)["pixel_values"]
+    video_feed = "video" in feed or "video_frames" in feed
+    if video_feed and "pixel_values_videos" in params and "video_grid_thw" in params and video_id is not None:
+        vcfg = _sub(cfg, "vision_config") or cfg
+        merge = int(_first(vcfg, ("spatial_merge_size",), 2))
+        frames = 2
+        grid = (frames, 2 * merge, 2 * merge)
+        video = {"pixel_values_videos": _grid_pixels(vcfg, gen, [grid] * batch),
+                 "video_grid_thw": torch.tensor([grid] * batch)}
+        inputs.update(video)
+        n = _feature_count(model, "video", video, batch) or frames * 4
+        if "video_frames" in feed:
+            placeholders += [[start, video_id, n // frames, end] for _ in range(frames)]
+        else:
+            placeholders.append([start, video_id, n, end])
+    if layout.get("images_per_sample") and isinstance(inputs.get("pixel_values"), torch.Tensor) and \
+            inputs["pixel_values"].ndim == 4:
+        inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1)
+    if head == "keypoint-matching" and "pixel_values" in inputs:  # a pair of images per sample
+        inputs["pixel_values"] = torch.stack([inputs["pixel_values"], inputs["pixel_values"].flip(-1)], 1)
+    if "past_values" in params:  # a time series: (batch, context, channels) with its observed mask
+        context = int(_first(cfg, ("context_length",), 32))
+        channels = int(_first(cfg, ("num_input_channels", "input_size"), 1))
+        inputs["past_values"] = torch.randn(batch, context, channels, generator=gen)
+        if "past_observed_mask" in params:
+            inputs["past_observed_mask"] = torch.ones(batch, context, channels)
+    if "grid_thw" in params:  # a vision tower on its own: flattened patches and their grid
+        merge = int(_first(cfg, ("spatial_merge_size", "merge_size"), 2))
+        grid = (1, 2 * merge, 2 * merge)
+        key = "hidden_states" if "hidden_states" in params else "pixel_values"
+        inputs[key] = _grid_pixels(cfg, gen, [grid] * batch)
+        inputs["grid_thw"] = torch.tensor([grid] * batch)
+    if "audio" in feed and "input_features" in params:
+        audio = _audio_features(cfg, params, gen, batch, bool(layout.get("audio_time_first")))
+        inputs.update(audio)
+        if audio_id is not None:
+            n = _feature_count(model, "audio", audio, batch)
+            placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
+    elif "audio" in feed and "input_values" in params:
+        inputs.update(_audio_values(cfg, gen, batch, layout.get("wave_channels")))
+    if "attention_mask" in params and "input_ids" not in params:  # a mask over the audio's samples / frames
+        wave, features = inputs.get("input_values"), inputs.get("input_features")
+        if wave is not None and wave.ndim == 2:
+            inputs["attention_mask"] = torch.ones(wave.shape, dtype=torch.long)
+        elif features is not None and features.ndim == 3:
+            frames = features.shape[1 if layout.get("audio_time_first") else 2]
+            inputs["attention_mask"] = torch.ones(batch, frames, dtype=torch.long)
+    if "input_points" in params and "pixel_values" in inputs:   # a segment-anything prompt: one point per image
+        inputs["input_points"] = torch.rand(batch, 1, 1, 2, generator=gen) * inputs["pixel_values"].shape[-1]
+        if "input_labels" in params:
+            inputs["input_labels"] = torch.ones(batch, 1, 1, dtype=torch.long)
+    if "input_ids" in params and (not inputs or _takes_text(params, head)):
+        ids = torch.tensor([_row(SEQ, placeholders, gen)] * batch)
+        text = ids < high
+        ids[text] = torch.randint(TEXT_LOW, high, (int(text.sum()),), generator=gen)
+        if head == "multiple-choice":
+            ids = torch.stack([ids, ids.flip(-1)], 1)
+        inputs["input_ids"] = ids
+        if "attention_mask" in params:
+            inputs["attention_mask"] = torch.ones_like(ids)
+        if "token_type_ids" in params:
+            inputs["token_type_ids"] = (ids == image_id).long() if image_id is not None else torch.zeros_like(ids)
+        if "mm_token_type_ids" in params:
+            types = torch.zeros_like(ids)
+            for kind, token in ((1, image_id), (2, video_id), (3, audio_id)):
+                if token is not None:
+                    types[ids == token] = kind
+            inputs["mm_token_type_ids"] = types
+        if "bbox" in params:
+            inputs["bbox"] = _boxes(batch, ids.shape[-1], gen)
+    labels = head_labels(inputs, model, cfg, head, gen, batch, high)
+    if "decoder_input_ids" in params and "labels" not in labels and "input_ids" in inputs:
+        inputs["decoder_input_ids"] = torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)
+    return inputs, labels
+
+
+def _takes_text(params: set, head: str) -> bool:
+    """Whether a model fed images or audio also takes token ids: a multimodal model's prompt, a contrastive
+    model's captions. A head that reads pixels or sound only leaves input_ids out where the forward allows."""
+    return head not in ("image-classification", "video-classification", "audio-classification", "ctc",
+                        "object-detection", "semantic-segmentation", "depth-estimation", "backbone",
+                        "image-feature", "mask-generation")
+
+
+def fed_modalities(inputs: dict) -> list[str]:
+    """The modalities an input dict feeds, for the report."""
+    out = ["text"] if "input_ids" in inputs else []
+    video = "pixel_values_videos" in inputs or (isinstance(inputs.get("pixel_values"), torch.Tensor)
+                                                and inputs["pixel_values"].ndim == 5)
+    if "pixel_values" in inputs and not (video and "pixel_values_videos" not in inputs):
+        out.append("image")
+    if video:
+        out.append("video")
+    if "input_features" in inputs or "input_values" in inputs:
+        out.append("audio")
+    for key, name in (("input_points", "points"), ("past_values", "time series")):
+        if key in inputs:
+            out.append(name)
+    return out
+
+
+def _num_labels(cfg) -> int:
+    n = getattr(cfg, "num_labels", None)
+    return int(n) if isinstance(n, int) and n > 0 else 2
+
+
+def head_labels(inputs: dict, model, cfg, head: str, gen, batch: int, high: int) -> dict:
+    """The labels of the head's own loss (see heads.Head.labels); {} where it has none here."""
+    kind = HEAD_BY_NAME[head].labels if head in HEAD_BY_NAME else None
+    ids = inputs.get("input_ids")
+    params = _forward_params(model)
+    if kind is None or ("labels" not in params and kind not in ("span", "contrastive")):
+        return {}
+    if kind == "class":
+        return {"labels": torch.randint(0, _num_labels(cfg), (batch,), generator=gen)}
+    if kind == "seq2seq":
+        return {"labels": torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)}
+    if kind == "ctc":
+        return {"labels": torch.randint(TEXT_LOW, high, (batch, 2), generator=gen)}
+    if kind == "contrastive":
+        return {"return_loss": True} if "return_loss" in params else {}
+    if kind == "pixels" and "pixel_values" in inputs:
+        h, w = inputs["pixel_values"].shape[-2:]
+        return {"labels": torch.randint(0, _num_labels(cfg), (batch, h, w), generator=gen)}
+    if kind == "boxes":
+        if not _has_scipy():  # DETR-style losses match boxes with scipy's Hungarian solver
+            return {}
+        return {"labels": [{"class_labels": torch.randint(0, _num_labels(cfg), (2,), generator=gen),
+                            "boxes": torch.rand(2, 4, generator=gen) * 0.5 + 0.25} for _ in range(batch)]}
+    if ids is None:
+        return {}
+    if kind == "tokens":
+        return {"labels": torch.randint(0, _num_labels(cfg), ids.shape, generator=gen)}
+    if kind == "span":
+        if "start_positions" not in params:
+            return {}
+        return {"start_positions": torch.randint(0, ids.shape[-1], (batch,), generator=gen),
+                "end_positions": torch.randint(0, ids.shape[-1], (batch,), generator=gen)}
+    if kind == "masked":
+        labels = torch.full_like(ids, -100)
+        labels[:, 2::3] = ids[:, 2::3]
+        return {"labels": labels}
+    labels = ids.clone()
+    labels[ids >= high] = -100
+    return {"labels": labels}
+
+
+def _has_scipy() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("scipy") is not None
+
+
+def _plain_forward_error(model, inputs: dict) -> Exception | None:
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as e:  # the caller tries the next input variant
+        return e
+    return None
+
+
+def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> tuple[dict, dict, str]:
+    """(inputs, labels, note): the richest input variant the model's plain forward accepts (the first one if
+    none is accepted), and the head's labels if the plain model takes them (else none, and `note` says why:
+    the training step then runs on a sum of the outputs).
+
+    Multimodal heads try fewer modalities (VARIANTS); audio tries the layouts of LAYOUTS. A forward that says
+    how many image features it made ("... tokens: X, features: Y") gets a prompt with that many placeholders."""
+    inputs, labels = make_inputs(model, cfg, head, seed, batch)
+    multimodal = head in ("image-text-to-text", "seq2seq-lm", "multimodal-lm", "speech-seq2seq") and any(
+        k in inputs for k in ("pixel_values", "pixel_values_videos", "input_features"))
+    if multimodal:
+        inputs, labels = _fitting_variant(model, cfg, head, seed, batch)
+    elif _fails(model, inputs, labels) and any(k in inputs for k in ("input_features", "input_values",
+                                                                       "pixel_values")):
+        for layout in LAYOUTS[1:]:
+            tried = make_inputs(model, cfg, head, seed, batch, layout=layout)
+            if not _fails(model, *tried):
+                inputs, labels = tried
+                break
+    note = ""
+    if labels:
+        was = model.training
+        model.train()
+        err = _plain_forward_error(model, {**inputs, **labels})
+        model.train(was)
+        if err is not None:
+            note = f"the head's loss fails plain ({type(err).__name__}: {str(err).splitlines()[0][:120]}): " \
+                   f"trained on a sum of the outputs"
+            labels = {}
+    return inputs, labels, note
+
+
+def _fails(model, inputs: dict, labels: dict) -> bool:
+    """Whether the plain forward fails on the inputs alone and with the labels (an encoder-decoder's forward
+    needs its decoder's tokens)."""
+    return _plain_forward_error(model, inputs) is not None and (
+        not labels or _plain_forward_error(model, {**inputs, **labels}) is not None)
+
+
+def _fitting_variant(model, cfg, head: str, seed: int, batch: int) -> tuple[dict, dict]:
+    """The first variant of VARIANTS (in any audio layout of LAYOUTS) the plain forward accepts; the richest
+    one if none is."""
+    tried: list = []
+    first = None
+    for feed in VARIANTS:
+        for layout in LAYOUTS:
+            inputs, labels = make_inputs(model, cfg, head, seed, batch, feed, layout)
+            key = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in sorted(inputs.items()))
+            if key in tried:
+                continue
+            tried.append(key)
+            first = first or (inputs, labels)
+            if not _fails(model, inputs, labels):
+                return inputs, labels
+            err = _plain_forward_error(model, inputs)
+            fixed = _with_feature_count(model, cfg, head, seed, batch, inputs, err)
+            if fixed is not None:
+                return fixed
+    return first
+
+
+def _with_feature_count(model, cfg, head: str, seed: int, batch: int, inputs: dict, err: Exception):
+    """The inputs with as many image placeholders as the forward's error says it made features, if that
+    makes the forward run (None otherwise)."""
+    n = _image_count_from_error(err) if "token" in str(err) and "features" in str(err) else None
+    image_id = _token_id(cfg, "image")
+    if not n or image_id is None or "input_ids" not in inputs:
+        return None
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.tensor([_row(SEQ, [[_token_id(cfg, "vision_start"), image_id, max(1, n // batch),
+                                    _token_id(cfg, "vision_end")]], gen)] * batch)
+    fixed = dict(inputs, input_ids=ids)
+    for k in ("attention_mask",):
+        if k in fixed:
+            fixed[k] = torch.ones_like(ids)
+    for k in ("token_type_ids", "mm_token_type_ids"):
+        if k in fixed:
+            fixed[k] = (ids == image_id).long()
+    fixed = {k: v for k, v in fixed.items() if k not in ("pixel_values_videos", "video_grid_thw")}
+    if _plain_forward_error(model, fixed) is None:
+        return fixed, head_labels(fixed, model, cfg, head, gen, batch, min(TEXT_HIGH, _vocab(cfg)))
+    return None
+
+
+__all__ = ["make_inputs", "fitting_inputs", "fed_modalities", "head_labels", "VARIANTS", "SEQ", "VOCAB"]

@@ -1,0 +1,59 @@
+"""Per-type settings where the generic shrinking of `auto_models.shrink_config_dict` breaks a config's own
+check or leaves a model that cannot run (the census reports name the type and this table's reason).
+
+Each entry sets config keys on the shrunk config dict (a dotted key reaches into a sub-config:
+"text_config.layer_types"), before the config class is built. Entries are data: plain values, no code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Override:
+    why: str
+    config: dict = field(default_factory=dict)
+
+
+OVERRIDES: dict[str, Override] = {
+    "jamba": Override("attention every 8th layer from the 4th: none among 2 layers (generate needs one)",
+                      {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                       "expert_layer_offset": 1}),
+    "bamba": Override("no attention layer by default (attn_layer_indices unset): generate needs one",
+                      {"attn_layer_indices": [1]}),
+    "granitemoehybrid": Override("every layer linear by default: generate needs an attention layer",
+                                 {"layer_types": ["linear_attention", "attention"]}),
+    "lfm2_moe": Override("layer_types unset by default", {"layer_types": ["conv", "full_attention"]}),
+    "recurrent_gemma": Override("the block pattern starts with two recurrent blocks: none attends in 2 layers",
+                                {"block_types": ["recurrent", "attention"]}),
+    "zamba": Override("attention every 6th layer from the 4th, its width twice the hidden size",
+                      {"attn_layer_period": 2, "attn_layer_offset": 1, "layers_block_type": ["mamba", "hybrid"],
+                       "attention_hidden_size": 128, "attention_head_dim": 32, "n_mamba_heads": 2}),
+    "zamba2": Override("hybrid layers listed by index past the 2 kept; Mamba head width from the full model",
+                       {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1], "mamba_headdim": 16,
+                        "n_mamba_heads": 8, "attention_hidden_size": 128, "attention_head_dim": 32,
+                        "adapter_rank": 8}),
+    "beit": Override("the semantic-segmentation head reads 4 backbone stages; the default config names 1",
+                     {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "out_features": None}),
+    "data2vec-vision": Override("the semantic-segmentation head reads 4 backbone stages; the default config names 1",
+                                {"num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "out_features": None}),
+    "dots1": Override("experts unset by default", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                   "n_shared_experts": 1}),
+}
+
+
+def apply_override(model_type: str, d: dict) -> str:
+    """Set the type's override keys on the shrunk config dict `d`; returns the entry's reason ("" if none)."""
+    entry = OVERRIDES.get(model_type)
+    if entry is None:
+        return ""
+    for key, value in entry.config.items():
+        *path, last = key.split(".")
+        target = d
+        for part in path:
+            target = target.setdefault(part, {})
+        target[last] = value
+    return entry.why
+
+
+__all__ = ["Override", "OVERRIDES", "apply_override"]
