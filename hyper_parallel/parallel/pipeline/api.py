@@ -350,7 +350,7 @@ class Pipeline:
         try:
             return schedule.step(*args, **kwargs, **extra)
         except RuntimeError as e:
-            if "NCCL" not in str(e) and "Gloo" not in str(e) and "gloo" not in str(e) and "timed out" not in str(e):
+            if not _is_communication_failure(e):
                 raise
             raise _check.CollectiveError(_check.failure_message("pipeline send/recv", self.schedule_name,
                                                                 self.group, e)) from e
@@ -398,6 +398,17 @@ class Pipeline:
     def __repr__(self) -> str:
         stages = ", ".join(f"{s.index} (layers {s.layers.start}-{s.layers.stop - 1})" for s in self.specs)
         return f"Pipeline({self.schedule_name}, {self.n_microbatches} micro-batches, stages {stages})"
+
+
+_COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "broken pipe")
+
+
+def _is_communication_failure(error: RuntimeError) -> bool:
+    """A failed send or receive inside torch's schedule (the backend's own error type, or its words)."""
+    if isinstance(error, getattr(dist, "DistBackendError", ())):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in _COMMUNICATION_WORDS)
 
 
 class _Sequential:
