@@ -7,6 +7,7 @@ import torch
 
 from ..dispatch.dispatcher import is_inplace_op
 from .base import Partial, Replicate, Shard, Signature, SignatureRule, REPLICATE
+from .deferred import guard_pending_sum
 
 _P = Partial("sum")
 
@@ -51,10 +52,24 @@ class Elementwise(SignatureRule):
         elif self.linear == "add" and not _has_number(call) and n >= 1:
             sigs.append(Signature([_P] * n_out, [_P] * n))
         elif self.linear == "mul" and n >= 1:
-            first = 1 if call.name.endswith(("div", "div_", "__truediv__", "__itruediv__")) else n
+            if call.kwargs.get("rounding_mode") is not None:
+                return sigs  # floor/trunc of each term's quotient is not the quotient of the sum
+            first = 1 if _divides(call) else n
             for i in range(first):
                 sigs.append(Signature([_P] * n_out, [_P if j == i else REPLICATE for j in range(n)]))
         return sigs
+
+
+    def strategy(self, call):
+        strat = super().strategy(call)
+        if self.linear != "mul":
+            return strat
+        # a pending sum carried through a product: exact for non-finite factors (and zero divisors) too
+        return guard_pending_sum(call, strat, divisor_from=1 if _divides(call) else None)
+
+
+def _divides(call) -> bool:
+    return call.name.endswith(("div", "div_", "__truediv__", "__itruediv__"))
 
 
 class Where(Elementwise):

@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..dispatch.call import OpCall
+from ..dispatch.call import OpCall, Strategy
 from .base import Partial, Signature, SignatureRule, Shard, REPLICATE
+from .deferred import guard_pending_sum
 
 _P = Partial("sum")
 
@@ -114,6 +115,10 @@ class Contraction(SignatureRule):
     def signatures(self, call: OpCall) -> list[Signature]:
         spec = self.spec(call)
         return [] if spec is None else contraction_signatures(call, spec)
+
+    def strategy(self, call: OpCall) -> Strategy:
+        # a pending sum carried through the product with replicated factors: exact for non-finite ones too
+        return guard_pending_sum(call, super().strategy(call))
 
 
 # ---- label helpers -----------------------------------------------------------------------------

@@ -102,6 +102,25 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+class _Root(torch.autograd.Function):
+    """`s ** (1/p)` of a reduced sum of |x|^p, whose gradient is 0 where `s` is 0, as torch's own norm
+    backward gives for an all-zero row (the plain chain rule would give 0 * inf = nan there)."""
+
+    @staticmethod
+    def forward(ctx, s, p):
+        out = s.sqrt() if p == 2 else s.pow(1.0 / p)
+        ctx.save_for_backward(s, out)
+        ctx.p = p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, out = ctx.saved_tensors
+        zero = s == 0
+        # d s^(1/p) / ds = s^(1/p) / (p s)
+        return torch.where(zero, torch.zeros_like(grad), grad * out / (ctx.p * s.masked_fill(zero, 1))), None
+
+
 class Reduce(Rule):
     """A reduction over the dims named by argument `dim_index` (keyword `dim`).
 
@@ -186,7 +205,7 @@ class Norm(Rule):
 
     def strategy(self, call: OpCall) -> Strategy:
         x = call.inputs[0]
-        p = call.arg(1, self.p_name, self.p_default)
+        p = self.order(call)
         dims = reduced_dims(call, 2, None)
         if call.out_shapes is None:
             return replicate_all(call)
@@ -209,9 +228,30 @@ class Norm(Rule):
             if dtype is not None:
                 t = t.to(dtype)
             s = (t * t if p == 2 else t.abs().pow(p)).sum(dims, keepdim=keepdim)
-            s = _AllReduceSum.apply(s, groups)
-            return s.sqrt() if p == 2 else s.pow(1.0 / p)
+            return _Root.apply(_AllReduceSum.apply(s, groups), p)
         return Strategy([in_lay], [out_lay], local_fn, grad_layouts=[in_lay])
 
+    def order(self, call: OpCall):
+        """The p of an elementwise p-norm, or a string for any other norm (computed on whole dims)."""
+        return call.arg(1, self.p_name, self.p_default)
 
-__all__ = ["Reduce", "MaxMin", "Norm", "reduced_dims", "keep_map"]
+
+class LinalgNorm(Norm):
+    """`torch.linalg.norm`: a vector norm (one dim, or every dim when neither `ord` nor `dim` is given) or,
+    over two dims (`dim` a pair, or `ord` given for a 2D input), a matrix norm. Of the matrix norms only
+    'fro' is elementwise (a 2-norm); 'nuc', spectral and the max-row/column norms need both dims whole."""
+
+    p_name = "ord"
+    p_default = None
+
+    def order(self, call: OpCall):
+        p = super().order(call)
+        x = call.inputs[0]
+        dim = call.arg(2, "dim", None)
+        matrix = (isinstance(dim, (tuple, list)) and len(dim) == 2) or (dim is None and p is not None and x.ndim == 2)
+        if matrix and p not in ("fro", None):
+            return "matrix"
+        return p
+
+
+__all__ = ["Reduce", "MaxMin", "Norm", "LinalgNorm", "reduced_dims", "keep_map"]
