@@ -83,6 +83,16 @@ class DTensor(torch.Tensor):
     def full_tensor(self) -> torch.Tensor:
         return self.redistribute(self._layout.replicated()).to_local()
 
+    def is_contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+        """Whether the local shard is contiguous: for a replicated tensor exactly one device's answer (the local
+        went through the same views), for a split one its shard's (a transposed split tensor is not contiguous).
+
+        The wrapper itself is always laid out contiguously (`stride()` answers so, see ops/strided.py), so asking
+        it would say True after a transpose, and the `.view` that code guarded by this test then fails. The
+        answer may differ between the ranks of a split tensor (an empty or one-row shard is contiguous whatever
+        the view), which is harmless: what code does with it, `.contiguous()`, is local."""
+        return self._local.is_contiguous(memory_format=memory_format)
+
     # ---- autograd ------------------------------------------------------------------------
     def register_hook(self, hook):
         return _bridge.register_hook(self, hook)

@@ -158,6 +158,30 @@ def _positional_names(forward) -> tuple:
     return names
 
 
+def token_inputs_problem(where: str, inputs: dict[str, Any], batch: int, seq_len: int,
+                         names: tuple = ("attention_mask", "labels", "position_ids")) -> str | None:
+    """Why the per-token inputs among `names` do not fit a (batch, seq_len) batch of tokens, or None: a 2D
+    padding mask and labels of exactly that shape, position_ids of that shape or (1, seq_len). Decided from
+    shapes alone, so an `InputStep.refuse` can call it before any rank communicates (a parallelism that splits
+    or cuts the sequence cannot take the lengths a single-device model would slice or broadcast)."""
+    for name in names:
+        value = inputs.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            return f"{where}: {name} must be a tensor, got {type(value).__name__}"
+        shape = tuple(value.shape)
+        if name == "position_ids":
+            if shape not in ((batch, seq_len), (1, seq_len)):
+                return (f"{where}: position_ids of shape {shape} do not match the inputs' (batch, sequence) = "
+                        f"{(batch, seq_len)}; give ({batch}, {seq_len}) or (1, {seq_len})")
+        elif shape != (batch, seq_len):
+            what = "a 2D padding mask" if name == "attention_mask" else "one label per token"
+            return (f"{where}: {name} of shape {shape} does not match the inputs' (batch, sequence) = "
+                    f"{(batch, seq_len)}; give {what} of that shape")
+    return None
+
+
 # ---- the check -----------------------------------------------------------------------------------------
 def check_feed(feed: Feed, inputs: dict[str, Any], refusers: list, call: str = "forward") -> None:
     """Compare every rank's inputs over the feed's mesh; FeedError on every rank if the feed is wrong.
@@ -280,4 +304,5 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-__all__ = ["FeedError", "InputStep", "Feed", "register", "feed_of", "check_feed", "named_inputs"]
+__all__ = ["FeedError", "InputStep", "Feed", "register", "feed_of", "check_feed", "named_inputs",
+           "token_inputs_problem"]

@@ -90,22 +90,9 @@ class SequenceSplit:
                     f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); pad the batch, "
                     f"e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
                     "attention_mask 0 and labels -100 on the padding")
-        for name, want in (("attention_mask", (batch, seq_len)), ("labels", (batch, seq_len)),
-                           ("position_ids", None)):
-            value = inputs.get(name)
-            if value is None:
-                continue
-            if not isinstance(value, Tensor):
-                return f"context_parallel: {name} must be a tensor, got {type(value).__name__}"
-            shape = tuple(value.shape)
-            if name == "position_ids":
-                if shape not in ((batch, seq_len), (1, seq_len)):
-                    return (f"context_parallel: position_ids of shape {shape} do not match the inputs' "
-                            f"(batch, sequence) = {(batch, seq_len)}; give ({batch}, {seq_len}) or (1, {seq_len})")
-            elif shape != want:
-                what = "a 2D padding mask" if name == "attention_mask" else "one label per token"
-                return (f"context_parallel: {name} of shape {shape} does not match the inputs' (batch, sequence) "
-                        f"= {want}; give {what} of that shape")
+        problem = feed.token_inputs_problem("context_parallel", inputs, batch, seq_len)
+        if problem:
+            return problem
         positions = inputs.get("position_ids")
         if positions is not None and inputs.get("attention_mask") is None and not isinstance(positions, DTensor):
             plain = torch.arange(seq_len, device=positions.device).expand(positions.shape)

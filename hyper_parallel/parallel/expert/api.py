@@ -201,7 +201,12 @@ class BatchShares:
         self.mesh, self.axis, self.ranks = mesh, axis, mesh.size(axis)
 
     def refuse(self, inputs: dict) -> str | None:
-        return None  # any rows are a share; the feed check compares the shares' shapes across the axis
+        """Any rows are a share (the feed check compares the shares' shapes across the axis); labels must be one
+        per token: a rank whose loss failed on its own would leave the others inside the experts' all_to_all."""
+        ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+        if not isinstance(ref, Tensor) or isinstance(ref, DTensor) or ref.ndim < 2:
+            return None
+        return feed.token_inputs_problem("expert_parallel", inputs, ref.shape[0], ref.shape[1], ("labels",))
 
     def apply(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]

@@ -280,6 +280,7 @@ class Pipeline:
         one, each data-parallel rank its share. Gradients accumulate into the parameters' `.grad` (call the
         optimizer's zero_grad between steps, as usual).
         """
+        inputs = _positions_per_row(input_ids, inputs)
         self._check_feed("Pipeline.step", input_ids, labels, inputs, need_labels=True)
         shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         valid = (shift != IGNORE_INDEX).sum().to(torch.float32).reshape(1).to(self.device)
@@ -302,6 +303,7 @@ class Pipeline:
     @torch.no_grad()
     def eval_forward(self, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """Logits of this rank's micro-batch, on every rank (forward only, through the same stages)."""
+        inputs = _positions_per_row(input_ids, inputs)
         self._check_feed("Pipeline.eval_forward", input_ids, None, inputs, need_labels=False)
         schedule = self._schedule(tuple(input_ids.shape), train=False)
         args = (input_ids,) if self._has_first() else ()
@@ -336,6 +338,9 @@ class Pipeline:
         if labels is not None and (not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(input_ids.shape)):
             return (f"{call}: labels of shape {tuple(getattr(labels, 'shape', ()))} do not match input_ids "
                     f"{tuple(input_ids.shape)}; give one label per token (-100 where no loss is wanted)")
+        problem = feed.token_inputs_problem(call, inputs, batch, input_ids.shape[1], ("attention_mask", "position_ids"))
+        if problem:   # a stage would fail on its own while the others wait for its activations
+            return problem
         if batch % self.n_microbatches:
             return (f"{call}: this rank's batch of {batch} rows must divide into n_microbatches="
                     f"{self.n_microbatches} equal micro-batches")
@@ -401,6 +406,16 @@ class Pipeline:
 
 
 _COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "broken pipe")
+
+
+def _positions_per_row(input_ids, inputs: dict) -> dict:
+    """position_ids of shape (1, sequence), which a model broadcasts over the batch, given one row per sample:
+    the schedule cuts every input into micro-batches along dim 0."""
+    positions = inputs.get("position_ids")
+    if (isinstance(positions, torch.Tensor) and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2
+            and positions.ndim == 2 and positions.shape[0] == 1 and input_ids.shape[0] > 1):
+        inputs = {**inputs, "position_ids": positions.expand(input_ids.shape[0], -1)}
+    return inputs
 
 
 def _is_communication_failure(error: RuntimeError) -> bool:
