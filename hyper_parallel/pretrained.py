@@ -63,19 +63,39 @@ def _config(path: Path):
     if not (path / "config.json").is_file():
         raise CheckpointNotFoundError(f"from_pretrained: no config.json in {path} (a local Hugging Face folder "
                                       f"is needed; download it first, e.g. with huggingface_hub.snapshot_download)")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:  # transformers' own, on bad fields
+        raise ValueError(f"from_pretrained: transformers cannot read {path / 'config.json'}: {type(e).__name__}: {e}. "
+                         f"Check its fields (model_type, architectures: a list of class names, dtype: e.g. "
+                         f"'bfloat16')") from e
 
 
 def _model_class(config, auto_class):
     import transformers
     if auto_class is not None:
         return auto_class
-    for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name, None)
-        if cls is not None:
+    names = getattr(config, "architectures", None) or ()
+    names = [names] if isinstance(names, str) else names   # one name written without its list
+    for name in names if isinstance(names, (list, tuple)) else ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type):
             return cls
     raise ValueError(f"from_pretrained: the config names no transformers class in `architectures` "
                      f"({getattr(config, 'architectures', None)}); pass auto_class=, e.g. AutoModelForCausalLM")
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    """The config's `dtype` (or older `torch_dtype`) as a floating torch dtype; None when it gives none ("auto").
+    Anything else is a ValueError naming the value: a model cannot be built in it."""
+    value = getattr(config, "dtype", None)
+    if value is None or value == "auto":
+        return None
+    found = getattr(torch, value, None) if isinstance(value, str) else value
+    if isinstance(found, torch.dtype) and found.is_floating_point:
+        return found
+    raise ValueError(f"from_pretrained: config.json's dtype {value!r} is not a floating torch dtype (e.g. "
+                     f"'float32', 'bfloat16', 'float16'); fix config.json, or pass dtype=torch.bfloat16 to override it")
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype | None:
@@ -133,9 +153,10 @@ def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtyp
     config = _config(folder)
     cls = _model_class(config, auto_class)
     if dtype is None:
-        dtype = getattr(config, "dtype", None)
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        dtype = dtype or _checkpoint_dtype(folder) or torch.float32
+        dtype = _config_dtype(config) or _checkpoint_dtype(folder) or torch.float32
+    elif not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"from_pretrained: dtype={dtype!r} is not a floating torch dtype; pass e.g. "
+                         f"dtype=torch.bfloat16 (or None: the config's)")
     model = _build_on_meta(cls, config, dtype)
     model.eval()  # as transformers' from_pretrained
     if pipelined:
