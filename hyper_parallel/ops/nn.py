@@ -314,6 +314,21 @@ class Loss(SignatureRule):
         return strat
 
 
+class _MeanOver(torch.autograd.Function):
+    """total / count of the non-ignored targets, as torch's mean-reduced nll_loss: nan when every target is
+    ignored (0/0) with a zero gradient there (the chain rule would give 0 * inf = nan on every logit)."""
+
+    @staticmethod
+    def forward(ctx, total, denom):
+        ctx.save_for_backward(denom)
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad):
+        (denom,) = ctx.saved_tensors
+        return torch.where(denom == 0, torch.zeros_like(grad), grad / denom), None
+
+
 def _local_loss(name, c, class_axes, batch_axes, offset, length, n_classes, count, mesh):
     """The local function of a loss whose class dim is split and/or whose mean spans ranks."""
     nll = name.endswith("nll_loss")
@@ -339,7 +354,7 @@ def _local_loss(name, c, class_axes, batch_axes, offset, length, n_classes, coun
         keep = t != a.ignore_index  # torch itself refuses class weights that require grad
         denom = (w[torch.where(keep, t, 0)] * keep).sum() if w is not None else keep.sum()
         denom = all_reduce_axes(denom.to(x.dtype).reshape(1), "sum", mesh, batch_axes).reshape(())
-        return total / denom
+        return _MeanOver.apply(total, denom)
 
     return loss
 
