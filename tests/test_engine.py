@@ -209,6 +209,33 @@ def feed_wrongly(rank, world, case):
         ids = global_batch(1)
         mask = torch.ones(ids.shape[0], SEQ + 4, dtype=torch.long)
         return _error_of(lambda: model(input_ids=ids, attention_mask=mask, labels=ids))
+    if case == "cp mask shorter than the sequence":
+        mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+        model = hp.context_parallel(tiny("llama"), mesh, "cp", "ring")
+        ids = global_batch(1)
+        mask = torch.ones(ids.shape[0], SEQ - 2, dtype=torch.long)
+        return _error_of(lambda: model(input_ids=ids, attention_mask=mask, labels=ids))
+    if case == "ep labels of another length":
+        mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        model = hp.expert_parallel(tiny("qwen3_moe"), mesh, "ep")
+        ids = global_batch(4)[:2]
+        return _error_of(lambda: model(input_ids=ids, labels=ids[:, :-1]))
+    if case in ("pipeline attention_mask of another length", "pipeline position_ids of another length"):
+        mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        pipe = hp.pipeline(tiny("llama"), mesh, n_microbatches=2)
+        share = global_batch(2).chunk(2)[hp.data_rank(mesh)]
+        extra = ({"attention_mask": torch.ones(share.shape[0], SEQ + 3, dtype=torch.long)} if "mask" in case
+                 else {"position_ids": torch.arange(SEQ + 2).expand(share.shape[0], -1)})
+        return _error_of(lambda: pipe.step(share, labels=share, **extra))
+    if case == "pipeline ranks feed different batch shapes in check mode":
+        hp.set_check(True)
+        try:
+            mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+            pipe = hp.pipeline(_four_layers(), mesh, n_microbatches=2)
+            ids = global_batch(2 if rank == 3 else 1)
+            return _error_of(lambda: pipe.step(ids, labels=ids))
+        finally:
+            hp.set_check(False)
     if case == "ep shares of different lengths":
         mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
         model = hp.expert_parallel(tiny("qwen3_moe"), mesh, "ep")
@@ -242,7 +269,12 @@ WRONG_FEEDS = {
     "cp ranks differ": "fed different micro-batches",
     "one dp rank's sequence does not split": r"sequence length 6 must be a multiple of 2 x 'cp' size = 4",
     "cp mask longer than the sequence": r"attention_mask of shape \(2, 12\) does not match",
+    "cp mask shorter than the sequence": r"attention_mask of shape \(2, 6\) does not match",
     "ep shares of different lengths": "shares of different shapes over 'ep'",
+    "ep labels of another length": r"expert_parallel: labels of shape \(2, 7\) does not match",
+    "pipeline attention_mask of another length": r"attention_mask of shape \(2, 11\) does not match",
+    "pipeline position_ids of another length": r"position_ids of shape \(2, 10\) do not match",
+    "pipeline ranks feed different batch shapes in check mode": "fed different micro-batches",
     "pipeline labels of another length on one rank": r"labels of shape \(2, 7\) do not match input_ids",
     "pipeline ranks run different calls": "different calls",
 }
