@@ -25,7 +25,11 @@ OPS = ("add_aux", "mul_scalar", "tanh", "exp", "relu", "neg", "matmul", "reshape
        "bf16_float", "double_float", "long_float", "int_float", "bool_float", "transpose", "slice0", "select0",
        "setitem", "unsqueeze", "sub_aux", "amax_dim", "cat_aux", "where_aux", "max_values", "cumsum",
        "layer_norm", "clamp", "pow2", "argmax_float", "masked_fill", "rms_norm", "gather", "index_select",
-       "div_aux", "getitem_list")
+       "div_aux", "getitem_list",
+       # issue 30: the newer rules
+       "index_copy", "index_add", "as_strided", "complex_rotary", "roll", "flip", "unfold", "where_nonzero",
+       "one_hot", "bincount", "einsum", "softmax_dtype", "setitem_mask", "norm_dim", "linalg_norm", "inf_factor",
+       "cross_entropy")
 REDUCED = ("sum", "avg", "max")
 
 
@@ -213,6 +217,68 @@ class Run:
             return t / (self.aux(tuple(t.shape[dim:]), p, f"div{k}").abs() + 1)
         if op == "getitem_list":
             return t[[i % t.shape[0] for i in range(1 + p % 3)]] if t.shape[0] else t
+        return self.newer(t, op, p, k, dim)
+
+    def newer(self, t, op: str, p: int, k: int, dim: int):
+        """The ops issue 30 added to the chains (index writes, strided views, complex rotary, data-dependent
+        shapes, non-finite factors of pending sums, losses with ignored targets)."""
+        n = t.shape[dim]
+        if op in ("index_copy", "index_add"):
+            if not n:
+                return t
+            idx = torch.randperm(n, generator=self.gen)[:1 + p % n]
+            shape = list(t.shape)
+            shape[dim] = len(idx)
+            src = self.aux(tuple(shape), p >> 2, f"src{k}", partial_ok=False)
+            return (t.index_copy(dim, idx, src) if op == "index_copy" else t.index_add(dim, idx, src, alpha=0.5))
+        if op == "as_strided":
+            size = (max(t.numel() // 2, 1),)
+            return t.as_strided(size, (1,), p % max(t.numel() - size[0] + 1, 1)) if t.numel() else t
+        if op == "complex_rotary":  # the rotary of Llama-style models done in complex numbers
+            if t.shape[-1] % 2:
+                return t
+            angles = torch.linspace(0, 3, t.shape[-1] // 2)
+            rot = torch.polar(torch.ones_like(angles), angles)
+            c = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+            return torch.view_as_real(c * rot).flatten(-2)
+        if op == "roll":
+            return t.roll(1 + p % 3, dim)
+        if op == "flip":
+            return t.flip(dim)
+        if op == "unfold":
+            size = 1 + p % 2
+            return t.unfold(dim, size, 1).sum(-1) if n >= size else t
+        if op == "where_nonzero":
+            return torch.where(t > 0)[0].float()
+        if op == "one_hot":
+            return torch.nn.functional.one_hot((t.abs() * 2).long().clamp(max=3), 4).float().sum(-1) * t
+        if op == "bincount":
+            return torch.bincount((t.abs() * 2).long().flatten().clamp(max=5), minlength=6).float()
+        if op == "einsum":
+            w = self.aux((t.shape[-1], 2), p, f"ein{k}")
+            return torch.einsum("...i,ij->...j", t, w)
+        if op == "softmax_dtype":
+            return t.softmax(dim, dtype=torch.float64).float()
+        if op == "setitem_mask":
+            t = t * 1
+            t[t > 0.5] = -0.25
+            return t
+        if op == "norm_dim":
+            return (t * (t > 0.8)).norm(dim=dim, keepdim=bool(p & 8))   # rows of zeros are common
+        if op == "linalg_norm":
+            return torch.linalg.norm(t, dim=dim) if p % 2 else torch.linalg.vector_norm(t * 0, dim=dim)
+        if op == "inf_factor":  # a factor holding infinities: one device's +-inf, never nan from a pending sum
+            f = torch.where(torch.arange(t.shape[-1]) % 2 == 0, float("-inf"), 1.5)
+            return (t * f).clamp(-5, 5).nan_to_num(0.0)
+        if op == "cross_entropy":  # (mean) with ignored targets, every target ignored when p % 3 == 0
+            if t.ndim < 2:
+                return t
+            x = t.reshape(-1, t.shape[-1])
+            target = torch.randint(0, t.shape[-1], (x.shape[0],), generator=self.gen) if t.shape[-1] else None
+            if target is None:
+                return t
+            target[torch.arange(x.shape[0]) % (1 if p % 3 == 0 else 2) == 0] = -100
+            return torch.nn.functional.cross_entropy(x, target).nan_to_num(-7.0) * t
         raise ValueError(op)
 
 
@@ -271,6 +337,8 @@ def run_case(case) -> str:
         if isinstance(e, (AssertionError, AttributeError, IndexError, KeyError, TypeError)) \
                 and not isinstance(e, hp.MissingOpError):
             return f"wrong: raised {type(e).__name__}: {e} {traceback.format_exc()[-600:]}"
+        if isinstance(e, hp.CollectiveError):  # a peer never came: ranks took different paths
+            return f"hang: {type(e).__name__}: {str(e)[:200]}"
         return f"loud: {type(e).__name__}: {str(e)[:200]}"
     return "ok"
 
@@ -295,16 +363,40 @@ class _FakeMesh:
 
 
 def judge(cases, per_rank: list) -> list:
-    """Failures: a wrong value on some rank, or an error raised on some ranks only."""
+    """Failures: a wrong value on some rank, a hang (a collective that timed out: some rank took another path),
+    or an error raised on some ranks only or of different types on different ranks."""
     failures = []
     for i, case in enumerate(cases):
         results = [r[i] for r in per_rank]
-        kinds = {r.split(":")[0] for r in results}
-        if any(r.startswith("wrong") for r in results):
+        verdict = classify(results)
+        if verdict == "wrong":
             failures.append(f"{describe(case)}: {next(r for r in results if r.startswith('wrong'))}")
-        elif len(kinds) > 1:
-            failures.append(f"{describe(case)}: an error on some ranks only: {results}")
+        elif verdict == "hang":
+            failures.append(f"{describe(case)}: a hang or an error on some ranks only: {results}")
     return failures
+
+
+def classify(results: list) -> str:
+    """One case's verdict from every rank's result: "correct", "clear error" (the same error type on every
+    rank), "skip" (not valid single-device code), "wrong" or "hang"."""
+    if any(r.startswith("wrong") for r in results):
+        return "wrong"
+    kinds = {r.split(":")[0] for r in results}
+    if "hang" in kinds or len(kinds) > 1:
+        return "hang"
+    kind = kinds.pop()
+    if kind == "loud":
+        return "clear error" if len({r.split(":")[1] for r in results}) == 1 else "hang"
+    return {"ok": "correct"}.get(kind, kind)
+
+
+def verdicts(cases, per_rank: list) -> dict:
+    """How many cases got each verdict (classify) over every rank's results."""
+    counts: dict = {}
+    for i in range(len(cases)):
+        v = classify([r[i] for r in per_rank])
+        counts[v] = counts.get(v, 0) + 1
+    return counts
 
 
 def tally(results: list) -> dict:
