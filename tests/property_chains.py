@@ -158,7 +158,9 @@ class Run:
         if op == "double_float":
             return (t.to(torch.float64) if p % 2 else t.double()).float()
         if op == "long_float":
-            return ((t * 3).to(torch.int64) if p % 2 else (t * 3).long()).float()
+            # + 0.37: values that normalisation makes whole numbers (rms_norm of one element is +-1) would round
+            # either way by reduction order, a truncation of float noise rather than a difference
+            return ((t * 3 + 0.37).to(torch.int64) if p % 2 else (t * 3 + 0.37).long()).float()
         if op == "int_float":
             return ((t * 3).to(torch.int32) if p % 2 else (t * 3).int()).to(torch.float32)
         if op == "bool_float":
@@ -232,8 +234,10 @@ class Run:
             src = self.aux(tuple(shape), p >> 2, f"src{k}", partial_ok=False)
             return (t.index_copy(dim, idx, src) if op == "index_copy" else t.index_add(dim, idx, src, alpha=0.5))
         if op == "as_strided":
-            size = (max(t.numel() // 2, 1),)
-            return t.as_strided(size, (1,), p % max(t.numel() - size[0] + 1, 1)) if t.numel() else t
+            # offsets count from the tensor's own storage_offset(), as a program that reads its own elements does
+            # (a bare offset into a view reads its base's storage on one device: not a DTensor's, ops/strided.py)
+            size, c = (max(t.numel() // 2, 1),), t.contiguous()
+            return c.as_strided(size, (1,), c.storage_offset() + p % max(t.numel() - size[0] + 1, 1)) if t.numel() else t
         if op == "complex_rotary":  # the rotary of Llama-style models done in complex numbers
             if t.shape[-1] % 2:
                 return t
