@@ -410,3 +410,91 @@ def tally(results: list) -> dict:
         kind = r.split(":")[0]
         counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+# ---- random inputs of the parallelism entry points ------------------------------------------------------------
+# A feed case: (kind "cp" | "ep" | "pp", rows, seq, mask delta or None, label delta or None, positions
+# "none" | "row" | "batch" | "wrong", which rank differs or -1, how it differs "rows" | "seq" | "labels").
+FEED_KINDS = ("cp", "ep", "pp")
+_MODELS: dict = {}
+
+
+def _feed_model(kind: str, world: int):
+    """(parallel runner, plain reference model) per kind, built once per worker process."""
+    if (kind, world) not in _MODELS:
+        from tests.test_engine import _four_layers, tiny
+        import copy
+        base = _four_layers() if kind == "pp" and world > 2 else tiny("qwen3_moe" if kind == "ep" else "llama")
+        ref = copy.deepcopy(base)
+        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=(kind,))
+        if kind == "cp":
+            runner = hp.context_parallel(base, mesh, "cp", "ring")
+        elif kind == "ep":
+            runner = hp.expert_parallel(base, mesh, "ep")
+        else:
+            runner = hp.pipeline(base, mesh, n_microbatches=2)
+        _MODELS[(kind, world)] = (runner, ref)
+    return _MODELS[(kind, world)]
+
+
+def _feed_inputs(case, rank: int):
+    """This rank's inputs (a dict with input_ids and labels) for a feed case; seeded by the rank only where the
+    case says the ranks' batches differ (ep's shares always do)."""
+    kind, rows, seq, mask_delta, label_delta, positions, odd_rank, odd_how = case
+    odd = rank == odd_rank
+    if odd and odd_how == "rows":
+        rows += 1
+    if odd and odd_how == "seq":
+        seq += 2
+    g = torch.Generator().manual_seed(100 + (rank if kind == "ep" else 0))
+    ids = torch.randint(0, 64, (rows, seq), generator=g)
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    if label_delta is not None or (odd and odd_how == "labels"):
+        inputs["labels"] = torch.randint(0, 64, (rows, max(seq + (label_delta or -1), 1)), generator=g)
+        inputs["labels"][:, :1] = -100
+    if mask_delta is not None:
+        mask = torch.ones(rows, max(seq + mask_delta, 1), dtype=torch.long)
+        mask[0, :1] = 0 if rows > 1 else 1
+        inputs["attention_mask"] = mask
+    if positions != "none":
+        n = seq + (3 if positions == "wrong" else 0)
+        pos = torch.arange(n).unsqueeze(0)
+        inputs["position_ids"] = pos if positions == "row" else pos.expand(rows, -1)
+    return inputs
+
+
+def run_feed_case(case) -> str:
+    """"ok" (the loss equals one device's on the global batch), "loud: <error>", "hang: ..." or "wrong: ..."."""
+    kind = case[0]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    runner, ref_model = _feed_model(kind, world)
+    mine = _feed_inputs(case, rank)
+    shares = [_feed_inputs(case, r) for r in range(world)] if kind == "ep" else [mine]
+    try:   # one device on the global batch (ep: the shares concatenated; cp, pp: the batch every rank feeds)
+        glob = {k: torch.cat([s[k] for s in shares]) for k in mine}
+        with torch.no_grad():
+            want = ref_model(**glob).loss.item()
+    except Exception:  # noqa: BLE001 - not valid single-device input
+        want = None
+    try:
+        if kind == "pp":
+            got = runner.step(**mine).item()
+            for p in runner.parameters():
+                p.grad = None
+        else:
+            with torch.no_grad():
+                loss = runner(**mine).loss
+            got = (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+    except Exception as e:  # noqa: BLE001
+        if isinstance(e, hp.CollectiveError):
+            return f"hang: {str(e)[:200]}"
+        return f"loud: {type(e).__name__}: {str(e)[:200]}"
+    if want is None:
+        return "wrong: ran where one device raises"
+    if not (abs(got - want) <= 1e-4 * max(1.0, abs(want)) or (got != got and want != want)):
+        return f"wrong: loss {got} vs one device {want}"
+    return "ok"
+
+
+def run_feed_cases(rank, world, cases) -> list:
+    return [run_feed_case(c) for c in cases]

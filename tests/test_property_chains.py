@@ -62,3 +62,36 @@ if given is not None:
         batches()
         print(f"property chains TOTAL on {world} ranks: {sum(totals.values())} cases: {totals}", flush=True)
         assert not totals.get("wrong") and not totals.get("hang"), totals
+
+
+FEED_EXAMPLES = int(os.environ.get("HP_PROPERTY_FEED_EXAMPLES", "2"))
+
+if given is not None:
+    def _feed_case(world):
+        return st.tuples(
+            st.sampled_from(P.FEED_KINDS),
+            st.sampled_from([1, 2, 4]),                               # rows
+            st.sampled_from([4, 6, 8, 16]),                           # sequence length
+            st.one_of(st.none(), st.sampled_from([0, 0, -2, 4])),     # attention_mask length - sequence length
+            st.one_of(st.none(), st.sampled_from([0, -1, 2])),        # labels length - sequence length
+            st.sampled_from(["none", "row", "batch", "wrong"]),       # position_ids
+            st.sampled_from([-1, -1, -1, world - 1]),                 # a rank fed differently
+            st.sampled_from(["rows", "seq", "labels"]),
+        )
+
+    @pytest.mark.parametrize("world", [2, 4])
+    def test_random_entry_point_inputs_are_correct_or_loud(world, dist2, dist4):
+        """Random inputs of context_parallel, expert_parallel and pipeline (mask / label / position shapes,
+        batch sizes, one rank fed differently): the loss of one device on the global batch, or the same error on
+        every rank; never a different loss, never a hang."""
+        @settings(max_examples=FEED_EXAMPLES, deadline=None, derandomize=not os.environ.get("HP_PROPERTY_RANDOM"),
+                  suppress_health_check=list(HealthCheck), database=None, phases=[Phase.explicit, Phase.generate])
+        @given(st.lists(_feed_case(world), min_size=8, max_size=8))
+        def batches(cases):
+            pool = dist2 if world == 2 else dist4
+            per_rank = pool.run(P.run_feed_cases, cases)
+            print(f"entry-point inputs: {len(cases)} cases on {world} ranks: {P.verdicts(cases, per_rank)}", flush=True)
+            failures = [f"{c}: {v}" for c, v in zip(cases, [[r[i] for r in per_rank] for i in range(len(cases))])
+                        if P.classify(v) in ("wrong", "hang")]
+            assert not failures, "\n".join(failures)
+        batches()
