@@ -196,8 +196,9 @@ class Run:
             return t.max(dim).values
         if op == "cumsum":
             return t.cumsum(dim)
-        if op == "layer_norm":
-            return torch.nn.functional.layer_norm(t, t.shape[-1:])
+        if op == "layer_norm":  # with a weight: the plain output sums to 0 per row, so a later sum would be noise
+            n = t.shape[-1]
+            return torch.nn.functional.layer_norm(t, (n,), weight=torch.linspace(0.5, 1.5, n))
         if op == "clamp":
             return t.clamp(-0.5, 0.7)
         if op == "pow2":
@@ -253,7 +254,7 @@ class Run:
             size = 1 + p % 2
             return t.unfold(dim, size, 1).sum(-1) if n >= size else t
         if op == "where_nonzero":
-            return torch.where(t > 0)[0].float()
+            return torch.where(t > 0.3)[0].float()   # not 0: sums (layer_norm, cumsum) that are 0 sit on its edge
         if op == "one_hot":
             return torch.nn.functional.one_hot((t.abs() * 2).long().clamp(max=3), 4).float().sum(-1) * t
         if op == "bincount":
@@ -472,6 +473,8 @@ def run_feed_case(case) -> str:
     shares = [_feed_inputs(case, r) for r in range(world)] if kind == "ep" else [mine]
     try:   # one device on the global batch (ep: the shares concatenated; cp, pp: the batch every rank feeds)
         glob = {k: torch.cat([s[k] for s in shares]) for k in mine}
+        if "position_ids" in mine and mine["position_ids"].shape[0] == 1 < mine["input_ids"].shape[0]:
+            glob["position_ids"] = mine["position_ids"]   # (1, seq): broadcast over every row, not one per share
         with torch.no_grad():
             want = ref_model(**glob).loss.item()
     except Exception:  # noqa: BLE001 - not valid single-device input
