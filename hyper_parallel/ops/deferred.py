@@ -8,7 +8,8 @@ local reduction): they hold the same values on every rank, so every rank takes t
 communication. When all are finite the op runs on the local term as planned; otherwise the pending sum is
 reduced first and the product of the reduced value is the first rank's term (the others hold zeros), exactly
 what one device computes. The check is one small reduction per call, and only calls that defer a sum through a
-product pay it (docs/api.md, "Signed zeros and infinities").
+product pay it (docs/api.md, "Signed zeros and infinities"). Inside a graph that hp.compile traces there is no
+value to look at: the sum is deferred as planned there.
 """
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ class GuardedProduct:
 
     def __call__(self, *args, **kwargs):
         op = self.inner or self.func
+        if torch.compiler.is_compiling():  # a graph (hp.compile's lowering) cannot branch on values: plain deferral
+            return op(*args, **kwargs)
         tensors, nums = self._slots(args, kwargs)
         get = lambda slot: args[slot[1]] if slot[0] else kwargs[slot[1]]  # noqa: E731
         ok = True
