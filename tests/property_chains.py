@@ -162,7 +162,7 @@ class Run:
             # either way by reduction order, a truncation of float noise rather than a difference
             return ((t * 3 + 0.37).to(torch.int64) if p % 2 else (t * 3 + 0.37).long()).float()
         if op == "int_float":
-            return ((t * 3).to(torch.int32) if p % 2 else (t * 3).int()).to(torch.float32)
+            return ((t * 3 + 0.37).to(torch.int32) if p % 2 else (t * 3 + 0.37).int()).to(torch.float32)
         if op == "bool_float":
             return (t.to(torch.bool) if p % 2 else t.bool()).float()
         if op == "transpose":
