@@ -69,3 +69,10 @@ def test_type_result_reports_cpu_seconds():
     assert r.to_dict()["cpu_seconds"] == 1.23
     c = census_types.TypeCensus(results=[r, census_types.TypeResult("bert", cpu_seconds=2.0)])
     assert c.summary()["cpu_seconds"] == 3.2
+
+
+def test_unset_forecast_horizon_is_filled_so_time_series_types_build():
+    from hyper_parallel.tools.auto_models import PREDICTION
+    assert shrink_config_dict({"prediction_length": None})["prediction_length"] == PREDICTION
+    assert shrink_config_dict({"prediction_length": 24})["prediction_length"] == 24  # a set horizon stays
+    assert tiny_config("autoformer").prediction_length == PREDICTION

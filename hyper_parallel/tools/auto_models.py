@@ -21,6 +21,7 @@ from .tiny_overrides import apply_override
 
 HIDDEN, HEADS_N, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
 LAYERS = 2
+PREDICTION = 4  # time steps a tiny forecaster predicts where its config leaves the horizon unset
 
 _LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
                "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers"}
@@ -239,6 +240,8 @@ def _fill_unset(d: dict, heads: int | None) -> None:
                 d[key] = heads
     if "vocab_size" in d and d["vocab_size"] is None:
         d["vocab_size"] = VOCAB
+    if "prediction_length" in d and d["prediction_length"] is None:  # a forecaster's horizon (no default)
+        d["prediction_length"] = PREDICTION
     if any(isinstance(d.get(k), int) for k in _EXPERT_KEYS):
         for key, size in (("num_experts_per_tok", 2), ("moe_intermediate_size", INTERMEDIATE)):
             if key in d and d[key] is None:
