@@ -168,7 +168,7 @@ def test_pp2_interleaved_1f1b_four_stages_matches_one_process(dist2, kind):
 
 
 def test_pp4_1f1b_qwen3_vl_moe(dist4):
-    check(dist4.run(pipelined_step, "qwen3_vl_moe", (4,), ("pp",), dict(schedule="1f1b", n_microbatches=2)),
+    check(dist4.run(pipelined_step, "qwen3_vl_moe", (4,), ("pp",), dict(schedule="1f1b", n_microbatches=4)),
           "qwen3_vl_moe")
 
 

@@ -138,7 +138,9 @@ def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
         if getattr(c, "output_router_logits", False):
             raise ValueError(f"pipeline: {name} has config.output_router_logits=True: the router auxiliary loss "
                              f"spans every stage and the pipeline's loss does not add it; set it to False")
-    if getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)):
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    if getattr(model, flag, False):
         raise ValueError(f"pipeline: {name} has gradient checkpointing on; a stage's first layer takes the "
                          f"received hidden state from a one-shot hook that a recomputation would not see: call "
                          f"model.gradient_checkpointing_disable() before pipeline()")
@@ -445,7 +447,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                              f"modalities in every step of one input shape)")
     else:
         pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:]]
-    return (_leave(hidden),) + tuple(_leave(p) for p in pieces)
+    return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
 
 
 def _encode(captured: dict, call: dict, ids, hidden) -> tuple[CarrySpec, list]:
