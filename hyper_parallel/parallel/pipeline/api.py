@@ -106,12 +106,13 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, sche
     whole_meta = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
     key_owner = _key_owners(whole_meta, specs, owner, structure)
 
+    attributes = cut.layer_attributes(model, structure)
     cut.prune(model, structure, {i for spec in mine for i in spec.layers},
               any(s.first for s in mine), any(s.last for s in mine))
     if initialize and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         init_parameters(model)   # a meta build: materialise only this rank's stages
     carry: dict = {}   # what the first stage hands the decoder stack besides the hidden state (cut.CarrySpec)
-    views = [cut.stage_view(model, structure, spec, carry) for spec in mine]
+    views = [cut.stage_view(model, structure, spec, carry, attributes) for spec in mine]
     _parallelize_stages(model, views, stage_dims, parallelize_kwargs)
 
     pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, structure, key_owner, whole_meta,

@@ -70,14 +70,17 @@ def _has_params(module: nn.Module | None) -> bool:
 
 
 def _layer_lists(root: nn.Module, prefix: str) -> list[tuple[str, nn.ModuleList]]:
-    """Every ModuleList under `root` whose entries are blocks of one class with parameters."""
+    """Every ModuleList under `root` whose entries are blocks with parameters (hybrid models mix classes:
+    attention and state-space layers in one list)."""
     out = []
     for name, module in root.named_modules(prefix=prefix):
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            kinds = {type(m) for m in module}
-            if len(kinds) == 1 and all(_has_params(m) for m in module):
-                out.append((name, module))
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(_has_params(m) for m in module):
+            out.append((name, module))
     return out
+
+
+# where registration order cannot decide: a final norm some models (OPT) register before their layer list
+_FINAL_NORMS = frozenset({"norm", "ln_f", "norm_f", "final_layer_norm", "final_layernorm", "final_norm"})
 
 
 def find_structure(model: nn.Module) -> Structure:
@@ -97,8 +100,10 @@ def find_structure(model: nn.Module) -> Structure:
     lists = _layer_lists(decoder, decoder_path)
     if not lists:
         raise ValueError(f"pipeline: {name}'s decoder {type(decoder).__name__} holds no nn.ModuleList of decoder "
-                         f"layers of one class; the stage cutter cuts along such a list")
-    layers_path, layers = max(lists, key=lambda item: (len(item[1]), -item[0].count(".")))
+                         f"layers; the stage cutter cuts along such a list")
+    # the longest list; among equally long ones, blocks of one class, then the shallowest
+    layers_path, layers = max(lists, key=lambda item: (len(item[1]), len({type(m) for m in item[1]}) == 1,
+                                                       -item[0].count(".")))
     holder_path, _, layers_name = layers_path.rpartition(".")
     if not (decoder_path == holder_path or holder_path.startswith(decoder_path + ".") or decoder_path == ""
             or holder_path == decoder_path):
@@ -119,7 +124,8 @@ def find_structure(model: nn.Module) -> Structure:
             if not _has_params(child):
                 continue  # rotary embeddings, dropout: kept on every stage
             path = _join(holder, child_name)
-            if child is head or depth == len(chain) - 1 and seen_path or depth == 0 and seen_path:
+            final_norm = depth == len(chain) - 1 and child_name in _FINAL_NORMS
+            if child is head or final_norm or depth == len(chain) - 1 and seen_path or depth == 0 and seen_path:
                 last.append(path)
             else:
                 first.append(path)
@@ -290,11 +296,45 @@ class _Skip(nn.Module):
         return _hidden_arg(args, kwargs)
 
 
-class _Exit(nn.Module):
+class _Exit(_Skip):
     """The next stage's first layer, seen from this stage: stops the forward with the hidden state it gets."""
 
     def forward(self, *args, **kwargs):
         raise _StageExit(_hidden_arg(args, kwargs))
+
+
+def _stand_in(cls: type, attributes: dict) -> nn.Module:
+    """A stand-in layer carrying the real layer's plain attributes (a hybrid model's loop reads
+    `layer.block_type` or `layer.attention_type` before calling it)."""
+    module = cls()
+    for key, value in attributes.items():
+        if not hasattr(module, key):
+            module.__dict__[key] = value
+    return module
+
+
+def layer_attributes(model: nn.Module, structure: Structure) -> list[dict]:
+    """Per decoder layer, its plain attributes (str, int, float, bool, None), read before pruning."""
+    plain = (str, int, float, bool, type(None))
+    return [{k: v for k, v in layer.__dict__.items() if not k.startswith("_") and isinstance(v, plain)}
+            for layer in layer_list(model, structure)]
+
+
+class _Absent(nn.Module):
+    """On a later stage, an embedding of the first stage that the decoder stack still calls before its
+    layers (GPT-2's position embeddings): zeros of the hidden width for integer inputs, the input itself
+    for floating ones (an embedding norm). Whatever it gives is discarded at the stage's first layer."""
+
+    def __init__(self, state: "StageState"):
+        super().__init__()
+        self.__dict__["_hp_state"] = state
+
+    def forward(self, *args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        hidden = self.__dict__["_hp_state"].pending
+        if x is None or hidden is None or x.is_floating_point():
+            return x
+        return torch.zeros(tuple(x.shape) + (hidden.shape[-1],), dtype=hidden.dtype, device=hidden.device)
 
 
 @dataclass
@@ -319,8 +359,10 @@ class StageState:
     pending: Any = None
 
 
-def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict) -> nn.Module:
-    """A view of the (pruned) model that runs only stage `spec`; see the module docstring."""
+def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
+               attributes: list[dict] | None = None) -> nn.Module:
+    """A view of the (pruned) model that runs only stage `spec`; see the module docstring. `attributes`:
+    `layer_attributes` of the unpruned model, copied onto the stand-ins of other stages' layers."""
     copies = {}
     for holder in structure.holders:
         original = _get(model, holder)
@@ -333,17 +375,22 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
     original_layers = layer_list(model, structure)
     layers = _shallow(original_layers)
     copies[structure.holders[-1]]._modules[structure.layers_name] = layers
+    attributes = attributes or [{} for _ in layers._modules]
     for key in list(layers._modules):
         i = int(key)
         if i in spec.layers:
             continue
-        layers._modules[key] = _Exit() if i == spec.layers.stop else _Skip() if i < spec.layers.start else None
+        stand_in = _Exit if i == spec.layers.stop else _Skip if i < spec.layers.start else None
+        layers._modules[key] = stand_in and _stand_in(stand_in, attributes[i])
+    state = StageState(structure, spec, type(model).forward, carry)
+    inside = structure.decoder
     for paths, keep in ((structure.first, spec.first), (structure.last, spec.last)):
         if not keep:
             for path in paths:
                 parent, _, name = path.rpartition(".")
-                copies[parent]._modules[name] = None
-    state = StageState(structure, spec, type(model).forward, carry)
+                in_decoder = parent == inside or parent.startswith(inside + ".") or not inside
+                # the decoder stack's own embeddings are still called on later stages, the towers are not
+                copies[parent]._modules[name] = _Absent(state) if in_decoder and paths is structure.first else None
     decoder = copies.get(structure.decoder) if structure.decoder in copies else _get(view, structure.decoder)
     decoder.register_forward_pre_hook(_decoder_hook(state), with_kwargs=True)
     if not spec.first:
