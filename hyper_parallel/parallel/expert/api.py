@@ -12,6 +12,7 @@ loops) is kept. Experts are Shard(0) DTensors, which checkpoints save and reshar
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -25,7 +26,7 @@ from ...layout.placement import REPLICATE, Shard
 from .. import feed
 from ..dims import EP, TP
 from ..surgery import (bind_save_pretrained, lay_out_parameters, local_experts, move, record_applied,
-                       replicated_elsewhere)
+                       replicated_elsewhere, swapped_parameters)
 from .dispatch import dispatch_combine
 
 # model inputs that are never batch-major, whatever their length
@@ -145,11 +146,21 @@ def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: 
     n_total = _expert_count(module)
     n_local = n_total // mesh.size(axis)
 
+    # parameters of the module's own submodules (MuseSpark's post-expert norm): shared by every expert,
+    # replicated over the axis; inside, they meet the received rows as local tensors
+    inner = [sub for name, sub in module.named_modules() if sub is not module
+             and any(p is not None for p in sub._parameters.values())]
+
     def compute(received: Tensor, local_ids: Tensor) -> Tensor:
         params = {pn: p for pn, p in module._parameters.items() if p is not None}
         locals_ = {pn: _local_of(p) for pn, p in params.items()}
         ones = torch.ones(local_ids.shape + (1,), dtype=received.dtype, device=received.device)
-        with local_experts(module, locals_, n_total, n_local):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(local_experts(module, locals_, n_total, n_local))
+            for sub in inner:
+                shared = {pn: _local_shared(p, axis) for pn, p in sub._parameters.items() if p is not None}
+                locals_.update({f"{id(sub)}.{pn}": t for pn, t in shared.items()})
+                stack.enter_context(swapped_parameters(sub, shared))
             out = original(received, local_ids.unsqueeze(-1), ones)
         if out.shape[0] == 0 and torch.is_grad_enabled() and received.requires_grad:
             # nothing reached this rank's experts: still join both all_to_alls' backward, with zero gradients
@@ -177,6 +188,16 @@ def _local_rows(dt: DTensor) -> Tensor:
     if torch.is_grad_enabled() and dt.requires_grad:
         return local_input(dt, dt.dist_layout, dt.dist_layout)
     return dt._local
+
+
+def _local_shared(p: Tensor, axis: str) -> Tensor:
+    """A parameter replicated over `axis` used on this rank's rows only: its local value, whose gradient is
+    this rank's part of the sum over the axis (a pending sum, reduced into the parameter's layout)."""
+    if not isinstance(p, DTensor):
+        return p
+    if torch.is_grad_enabled() and p.requires_grad:
+        return local_input(p, p.dist_layout, p.dist_layout.with_partial(axis))
+    return p._local
 
 
 def _local_of(p: Tensor) -> Tensor:
