@@ -175,3 +175,31 @@ def test_pp4_1f1b_qwen3_vl_moe(dist4):
 def test_pp2_dp2_hsdp_qwen3_vl(dist4):
     kwargs = dict(schedule="1f1b", n_microbatches=2, hsdp={"threshold": 0})
     check(dist4.run(pipelined_step, "qwen3_vl", (2, 2), ("pp", "dp"), kwargs), "qwen3_vl")
+
+
+# ---- expert parallel ------------------------------------------------------------------------------------
+def expert_step(rank, world, kind, shape, names):
+    """Worker: one training step of expert_parallel / parallelize on `names`, each data rank feeding its share
+    of the batch (its samples' images and audio too); loss (mean over the global batch) and gradients."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", shape, names)
+    model, inputs, labels = build(kind)
+    if names == ("ep",):
+        hp.expert_parallel(model, mesh, "ep")
+    else:
+        hp.parallelize(model, mesh, hsdp={"threshold": 0} if "dp" in names else None)
+    assert any("ep:" in a and "experts modules" in a for a in model._hp_applied), model._hp_applied
+    inputs, labels = _share(mesh, inputs, labels)
+    loss = model(**inputs, labels=labels).loss
+    loss.backward()
+    loss = _full(loss).detach().clone()
+    if "dp" in names:   # each dp replica's loss is the mean over its share
+        torch.distributed.all_reduce(loss, group=mesh.get_group("dp"))
+        loss /= mesh.size("dp")
+    grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_omni_thinker"])
+def test_ep2_matches_one_process(dist2, kind):
+    check(dist2.run(expert_step, kind, (2,), ("ep",)), kind)

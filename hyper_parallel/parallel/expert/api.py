@@ -46,6 +46,13 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.
         raise TypeError(f"expert_parallel: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     ranks = mesh.size(axis)  # raises, naming the axes, if the mesh lacks `axis`
     experts = find_experts(model)
+    refused = unsupported_experts(model, experts)
+    if refused:
+        raise ValueError(f"expert_parallel: {type(model).__name__} has experts modules expert parallel cannot "
+                         f"spread: " + "; ".join(f"{n}: {why}" for n, why in list(refused.items())[:3])
+                         + ". Expert parallel moves whole experts of a module whose parameters stack them on dim 0 "
+                           "and whose forward takes the router's (hidden, top_k_index, top_k_weights); train this "
+                           "model with dp/tp/pp instead (the ep axis as a data axis: parallelize on a 'dp' mesh)")
     if not experts:
         raise ValueError(f"expert_parallel: {type(model).__name__} has no MoE experts module (a module whose "
                          f"parameters stack experts on dim 0 and whose forward takes (hidden, indices, weights))")
@@ -104,6 +111,45 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
         if _takes_routing(type(module).forward):
             found[name] = module
     return found
+
+
+def unsupported_experts(model: nn.Module, found: dict | None = None) -> dict[str, str]:
+    """MoE experts modules `find_experts` does not take, with why: modules named experts (a parent's
+    `experts` attribute, or a class named ...Experts / ...NaiveMoe) outside the ones found."""
+    found = find_experts(model) if found is None else found
+    taken = {id(m) for m in found.values()}
+    out = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        named = name.rsplit(".", 1)[-1] == "experts" or cls.endswith(("Experts", "NaiveMoe")) or "ParallelExperts" in cls
+        if not named or "Shared" in cls or id(module) in taken or any(name.startswith(f + ".") for f in found):
+            continue
+        if not any(True for _ in module.parameters()) or any(name.startswith(n + ".") for n in out):
+            continue
+        out[name] = _why_unsupported(module)
+    return out
+
+
+def _why_unsupported(module: nn.Module) -> str:
+    cls = type(module).__name__
+    children = [m for m in module.children() if any(True for _ in m.parameters())]
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or (children and not module._parameters):
+        return (f"{cls} holds {len(children)} expert modules (not stacked weights) and its forward "
+                f"{_signature(module)} routes by its own rule")
+    params = {n: tuple(p.shape) for n, p in module._parameters.items() if p is not None}
+    leading = {shape[0] for shape in params.values()}
+    if len(leading) > 1:
+        return (f"{cls}'s stacked weights count different numbers of experts ({params}): extra experts without "
+                f"weights (zero/identity experts) are computed where the token lives")
+    return (f"{cls}.forward{_signature(module)} does not take the router's (hidden, top_k_index, top_k_weights): "
+            f"it computes experts on tokens it sorts or scales itself")
+
+
+def _signature(module: nn.Module) -> str:
+    try:
+        return str(inspect.signature(type(module).forward)).replace("self, ", "")
+    except (TypeError, ValueError):
+        return "(...)"
 
 
 def _takes_routing(forward) -> bool:
