@@ -40,7 +40,7 @@ def _image_row(gen, seq_text=6):
     return row
 
 
-def build(kind: str, layers: int = 4):
+def build(kind: str, layers: int = 4, even_labels: bool = False):
     """(model, inputs, labels): a tiny random model, identical in every process, and its global batch (one
     image per sample; audio too for the Omni thinker)."""
     import transformers
@@ -100,7 +100,8 @@ def build(kind: str, layers: int = 4):
     model.train()
     labels = ids.clone()
     labels[ids >= IMAGE] = -100
-    labels[2, :3] = -100
+    if not even_labels:   # micro-batches / shares with different numbers of valid tokens
+        labels[2, :3] = -100
     return model, dict(input_ids=ids, **inputs), labels
 
 
@@ -140,8 +141,8 @@ def pipelined_step(rank, world, kind, shape, names, kwargs):
     return loss, grads
 
 
-def check(results, kind):
-    want_loss, want_grads = reference(kind)
+def check(results, kind, ref=None):
+    want_loss, want_grads = (ref or reference)(kind)
     seen = set()
     for rank, (loss, grads) in enumerate(results):
         assert loss == pytest.approx(want_loss, abs=1e-5), (rank, loss, want_loss)
@@ -178,12 +179,24 @@ def test_pp2_dp2_hsdp_qwen3_vl(dist4):
 
 
 # ---- expert parallel ------------------------------------------------------------------------------------
-def expert_step(rank, world, kind, shape, names):
+_TEXT_INPUTS = ("input_ids", "attention_mask")
+
+
+def text_reference(kind: str, even_labels: bool = False):
+    model, inputs, labels = build(kind, even_labels=even_labels)
+    loss = model(**{k: inputs[k] for k in _TEXT_INPUTS}, labels=labels).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def expert_step(rank, world, kind, shape, names, even_labels=False):
     """Worker: one training step of expert_parallel / parallelize on `names`, each data rank feeding its share
-    of the batch (its samples' images and audio too); loss (mean over the global batch) and gradients."""
+    of the batch (text: the experts live in the language model); loss (mean over the global batch) and
+    gradients."""
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", shape, names)
-    model, inputs, labels = build(kind)
+    model, inputs, labels = build(kind, even_labels=even_labels)
+    inputs = {k: inputs[k] for k in _TEXT_INPUTS}
     if names == ("ep",):
         hp.expert_parallel(model, mesh, "ep")
     else:
@@ -202,4 +215,26 @@ def expert_step(rank, world, kind, shape, names):
 
 @pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_omni_thinker"])
 def test_ep2_matches_one_process(dist2, kind):
-    check(dist2.run(expert_step, kind, (2,), ("ep",)), kind)
+    check(dist2.run(expert_step, kind, (2,), ("ep",)), kind, text_reference)
+
+
+def test_dp2_ep2_parallelize_qwen3_vl_moe(dist4):
+    """hsdp averages the dp replicas (each the mean over its share, as DDP): shares with equal valid tokens."""
+    results = dist4.run(expert_step, "qwen3_vl_moe", (2, 2), ("dp", "ep"), True)
+    check(results, "qwen3_vl_moe", lambda kind: text_reference(kind, even_labels=True))
+
+
+def test_experts_it_cannot_spread_are_refused_by_name():
+    import transformers
+    import hyper_parallel as hp
+    from hyper_parallel.parallel.expert import unsupported_experts
+    cfg = transformers.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        intermediate_size_mlp=64, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=8, num_local_experts=4)
+    model = transformers.Llama4ForCausalLM(cfg)
+    refused = unsupported_experts(model)
+    assert list(refused) == ["model.layers.0.feed_forward.experts"], refused
+    assert "Llama4TextExperts.forward" in refused["model.layers.0.feed_forward.experts"]
+    mesh = hp.init_device_mesh("cpu", (1,), ("ep",))
+    with pytest.raises(ValueError, match="cannot spread: model.layers.0.feed_forward.experts"):
+        hp.expert_parallel(model, mesh, "ep")
