@@ -238,3 +238,62 @@ def test_experts_it_cannot_spread_are_refused_by_name():
     mesh = hp.init_device_mesh("cpu", (1,), ("ep",))
     with pytest.raises(ValueError, match="cannot spread: model.layers.0.feed_forward.experts"):
         hp.expert_parallel(model, mesh, "ep")
+
+
+# ---- the structural cutter: property test ----------------------------------------------------------------
+_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 4}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=8, **_MOE)),
+}
+
+
+def _family_model(family: str, layers: int):
+    import transformers
+    config_name, model_name, extra = _FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).float()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(_FAMILIES) + ["qwen3_vl"]), st.integers(1, 4), st.integers(1, 5),
+       st.sampled_from([1, 2]))
+def test_structural_cutter_property(family, layers, n_stages, n_micro):
+    """Any family, layer count and stage count: the stages run in sequence in one process give the plain
+    model's loss and gradients, or a clear refusal (more stages than layers)."""
+    import hyper_parallel as hp
+    if family == "qwen3_vl":
+        model, inputs, labels = build("qwen3_vl", layers=layers)
+        plain, _, _ = build("qwen3_vl", layers=layers)
+    else:
+        model, plain = _family_model(family, layers), _family_model(family, layers)
+        g = torch.Generator().manual_seed(layers)
+        ids = torch.randint(0, VOCAB, (4, 8), generator=g)
+        inputs, labels = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids.clone()
+    mesh = hp.init_device_mesh("cpu", (1,), ("pp",))
+    schedule = "gpipe" if n_stages == 1 else "interleaved_1f1b"
+    if n_stages > layers:
+        with pytest.raises(ValueError, match="each stage needs at least one layer"):
+            hp.pipeline(model, mesh, schedule=schedule, stages_per_rank=n_stages, n_microbatches=n_micro)
+        return
+    pipe = hp.pipeline(model, mesh, schedule=schedule, stages_per_rank=n_stages, n_microbatches=n_micro)
+    assert [len(s.layers) > 0 for s in pipe.specs] == [True] * n_stages
+    inputs = dict(inputs)
+    ids = inputs.pop("input_ids")
+    loss = pipe.step(ids, labels=labels, **inputs)
+    want = plain(input_ids=ids, labels=labels, **inputs).loss
+    want.backward()
+    assert float(loss) == pytest.approx(float(want), abs=1e-5)
+    grads = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        if grads[name].grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, grads[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
