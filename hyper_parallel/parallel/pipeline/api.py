@@ -402,15 +402,23 @@ class Pipeline:
         return self._schedule(shapes, train)
 
     def _probe(self, input_ids: torch.Tensor, inputs: dict):
+        """The first stage's CarrySpec on every pp rank; a refusal there (what it cannot carry) is raised on
+        every rank alike."""
         spec = None
         if self._has_first():
             self._carry.pop("spec", None)
             micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
             first = next(view for view, s in zip(self.stages, self.specs) if s.first)
-            with torch.no_grad():
-                first(micro["input_ids"], **micro)
-            spec = self._carry["spec"]
-        return collectives.broadcast_object(spec, dist.get_global_rank(self.group, self._first_owner), self.group)
+            try:
+                with torch.no_grad():
+                    first(micro["input_ids"], **micro)
+                spec = self._carry["spec"]
+            except ValueError as e:
+                spec = f"{type(e).__name__}: {e}"
+        spec = collectives.broadcast_object(spec, dist.get_global_rank(self.group, self._first_owner), self.group)
+        if isinstance(spec, str):
+            raise ValueError(f"{spec} (raised by the first stage, on pp rank {self._first_owner})")
+        return spec
 
     def _schedule(self, batch_shape: tuple, train: bool):
         """The torch schedule for this micro-batch shape (stages infer their P2P shapes on first use); on a pp

@@ -150,6 +150,17 @@ def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
         raise ValueError(f"pipeline: {name} has gradient checkpointing on; a stage's first layer takes the "
                          f"received hidden state from a one-shot hook that a recomputation would not see: call "
                          f"model.gradient_checkpointing_disable() before pipeline()")
+    if n_stages > 1:
+        owner: dict = {}
+        parts = [(f"layer {i}", layer) for i, layer in enumerate(layer_list(model, structure))]
+        parts += [(path, _get(model, path)) for path in structure.first + structure.last]
+        for part, module in parts:
+            for p in module.parameters():
+                if owner.setdefault(id(p), part) != part:
+                    raise ValueError(f"pipeline: {name}'s {owner[id(p)]} and {part} share parameters (a block "
+                                     f"reused across the layer list, as Zamba's shared transformer); the stage "
+                                     f"cutter places each parameter on one stage and cannot cut this model: use "
+                                     f"dp/tp instead")
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings()
     if n_stages > 1 and embed is not None and getattr(embed, "weight", None) is getattr(head, "weight", 1):
@@ -297,9 +308,13 @@ class _Skip(nn.Module):
 
 
 class _Exit(_Skip):
-    """The next stage's first layer, seen from this stage: stops the forward with the hidden state it gets."""
+    """The next stage's first layer, seen from this stage: stops the forward with the hidden state it gets,
+    noting the other keywords the loop hands a layer (`StageState.layer_kwargs`)."""
 
     def forward(self, *args, **kwargs):
+        state = self.__dict__.get("_hp_state")
+        if state is not None:
+            state.layer_kwargs = {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
         raise _StageExit(_hidden_arg(args, kwargs))
 
 
@@ -357,6 +372,7 @@ class StageState:
     capture: dict | None = None
     inject: dict | None = None
     pending: Any = None
+    layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -383,6 +399,8 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         stand_in = _Exit if i == spec.layers.stop else _Skip if i < spec.layers.start else None
         layers._modules[key] = stand_in and _stand_in(stand_in, attributes[i])
     state = StageState(structure, spec, type(model).forward, carry)
+    if spec.layers.stop < len(layers._modules):
+        layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
     for paths, keep in ((structure.first, spec.first), (structure.last, spec.last)):
         if not keep:
@@ -464,7 +482,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         state.inject = _decode(carried, received[1:], ids, hidden_in)
         state.pending = hidden_in
         call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
-        call["inputs_embeds"] = hidden_in
+        # a placeholder of the hidden state's shape: models scale their embeddings in place (CTRL)
+        call["inputs_embeds"] = torch.zeros_like(hidden_in)
     else:
         state.capture = {} if not spec.last else None
     try:
@@ -480,13 +499,14 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                            f"does not follow the embeddings -> layer list -> norm/head pattern") from e
     finally:
         captured, state.capture, state.inject, state.pending = state.capture, None, None, None
+        layer_kwargs, state.layer_kwargs = state.layer_kwargs, None
     if spec.last:
         logits = getattr(out, "logits", None)
         if logits is None:
             logits = out[0] if isinstance(out, (tuple, list)) else out
         return _leave(logits)
     if spec.first:
-        carry_spec, pieces = _encode(captured, call, ids, hidden)
+        carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {})
         known = state.carry.setdefault("spec", carry_spec)
         if known != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
@@ -497,12 +517,20 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
 
 
-def _encode(captured: dict, call: dict, ids, hidden) -> tuple[CarrySpec, list]:
+def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict) -> tuple[CarrySpec, list]:
     """What the first stage handed the decoder stack that later stages cannot compute themselves, as
-    (batch, sequence, ...) tensors, and the spec that decodes them."""
+    (batch, sequence, ...) tensors, and the spec that decodes them. A floating tensor of the hidden state's
+    shape that the loop hands every layer besides the hidden state (Zamba's original_hidden_states, computed
+    from the embeddings) is refused: later stages would compute it from their placeholder."""
     batch, seq = tuple(ids.shape[:2])
     entries, constants, pieces, masks = [], [], [], {}
     lists = []
+    for name, value in layer_kwargs.items():
+        if (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
+                and tuple(value.shape) == tuple(hidden.shape)):
+            raise ValueError(f"pipeline: the decoder loop hands every layer {name!r}, a tensor of the hidden "
+                             f"state's shape computed before the layers; the stage cutter carries what the "
+                             f"decoder stack is handed, not this: use dp/tp for this model")
     for name, value in captured.items():
         if name in ("input_ids", "inputs_embeds", "use_cache") or value is None:
             continue
