@@ -150,17 +150,6 @@ def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
         raise ValueError(f"pipeline: {name} has gradient checkpointing on; a stage's first layer takes the "
                          f"received hidden state from a one-shot hook that a recomputation would not see: call "
                          f"model.gradient_checkpointing_disable() before pipeline()")
-    if n_stages > 1:
-        owner: dict = {}
-        parts = [(f"layer {i}", layer) for i, layer in enumerate(layer_list(model, structure))]
-        parts += [(path, _get(model, path)) for path in structure.first + structure.last]
-        for part, module in parts:
-            for p in module.parameters():
-                if owner.setdefault(id(p), part) != part:
-                    raise ValueError(f"pipeline: {name}'s {owner[id(p)]} and {part} share parameters (a block "
-                                     f"reused across the layer list, as Zamba's shared transformer); the stage "
-                                     f"cutter places each parameter on one stage and cannot cut this model: use "
-                                     f"dp/tp instead")
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings()
     if n_stages > 1 and embed is not None and getattr(embed, "weight", None) is getattr(head, "weight", 1):
@@ -168,6 +157,17 @@ def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
                          f"they sit on different stages; untie them (model.lm_head.weight = "
                          f"nn.Parameter(model.lm_head.weight.clone()) and tie_word_embeddings=False in its "
                          f"config) before pipeline()")
+    if n_stages > 1:
+        owner: dict = {}
+        parts = [(f"layer {i}", layer) for i, layer in enumerate(layer_list(model, structure))]
+        parts += [(path, _get(model, path)) for path in structure.first + structure.last]
+        for part, module in parts:
+            for p in module.parameters():
+                if owner.setdefault(id(p), part) != part:
+                    raise ValueError(f"pipeline: {name}'s {owner[id(p)]} and {part} share parameters (tied weights, "
+                                     f"or a block reused across the layer list); the stage "
+                                     f"cutter places each parameter on one stage and cannot cut this model: use "
+                                     f"dp/tp instead")
 
 
 def layer_list(model: nn.Module, structure: Structure) -> nn.ModuleList:
@@ -355,7 +355,8 @@ class _Absent(nn.Module):
 @dataclass
 class CarrySpec:
     """What the first stage carries besides the hidden state, in order: (name, kind) entries, kind "bs" (a
-    (batch, sequence, ...) tensor), "kbs" (a (k, batch, sequence, ...) tensor, carried with k last), "rows:M"
+    (batch, sequence, ...) tensor), "kbs" (a (k, batch, sequence, ...) tensor, carried with k last),
+    "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
     (a list of (rows, hidden) tensors, the rows at the True positions of the carried mask M, carried dense);
     and the constants handed to the decoder stack."""
     entries: tuple = ()
@@ -546,6 +547,14 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict) -> tupl
         elif isinstance(value, torch.Tensor) and value.ndim >= 3 and tuple(value.shape[1:3]) == (batch, seq):
             entries.append((name, "kbs"))
             pieces.append(value.movedim(0, -1))
+        elif (isinstance(value, dict) and value and not isinstance(ids, DTensor)
+              and all(v is None or isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch
+                      for v in value.values())):
+            # masks per attention type (Gemma 3's bidirectional image blocks), batch first
+            for key, v in value.items():
+                entries.append((name, f"dict:{'none' if v is None else 'b'}:{key}"))
+                if v is not None:
+                    pieces.append(v)
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) and v.ndim == 2
                                                                for v in value):
             lists.append((name, value))
@@ -573,6 +582,10 @@ def _decode(carry: CarrySpec, pieces: Sequence[torch.Tensor], ids, hidden) -> di
     it = iter(pieces)
     dense_lists = []
     for name, kind in carry.entries:
+        if kind.startswith("dict:"):
+            _, what, key = kind.split(":", 2)
+            out.setdefault(name, {})[key] = None if what == "none" else next(it)
+            continue
         if kind.startswith("rows:"):
             _, mask, n = kind.split(":")
             dense_lists.append((name, mask, [_enter(next(it), ids) for _ in range(int(n))]))
