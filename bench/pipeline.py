@@ -74,7 +74,7 @@ class Busy:
 
     def __init__(self, pipe, x):
         self.seconds = 0.0
-        schedule = pipe._schedules[(tuple(x.shape), True)]
+        schedule = pipe._schedules[((tuple(x.shape), ()), True)]
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

@@ -198,8 +198,8 @@ def test_errors_are_clear():
     import transformers
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", (1,), ("pp",))
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="does not know GPT2LMHeadModel"):
+    gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="GPT2Model has no output head"):
         hp.pipeline(gpt2, mesh)
     with pytest.raises(ValueError, match="unknown schedule"):
         hp.pipeline(tiny_model("llama"), mesh, schedule="nope")

@@ -66,9 +66,15 @@ def check_request(dims: ParallelDims, *, tp: Any = "auto", ep: bool = False, cp:
 def apply_parallelisms(model: nn.Module, dims: ParallelDims, *, tp: Any = "auto", cp: str | None = None,
                        hsdp: dict | None = None) -> None:
     """The model parallelisms on `dims.model_mesh` (tp, then ep, then cp), then hsdp over "dp"."""
-    from .expert.api import batch_shares_only, expert_parallel, find_experts
+    from .expert.api import batch_shares_only, expert_parallel, find_experts, unsupported_experts
     inner = dims.model_mesh
     experts = find_experts(model) if dims.has(EP) else {}
+    if dims.has(EP):
+        refused = unsupported_experts(model, experts)
+        if refused:
+            raise ValueError(f"parallelize: the mesh's 'ep' axis asks for expert parallel, but "
+                             f"{', '.join(list(refused)[:3])} cannot be spread: {next(iter(refused.values()))}; "
+                             f"use a 'dp' axis for this model")
     if dims.has(TP) and tp is not None:
         from .shard.api import tensor_parallel
         tensor_parallel(model, tp, dims.stage_mesh, leave=tuple(experts))

@@ -12,6 +12,7 @@ loops) is kept. Experts are Shard(0) DTensors, which checkpoints save and reshar
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -25,7 +26,7 @@ from ...layout.placement import REPLICATE, Shard
 from .. import feed
 from ..dims import EP, TP
 from ..surgery import (bind_save_pretrained, lay_out_parameters, local_experts, move, record_applied,
-                       replicated_elsewhere)
+                       replicated_elsewhere, swapped_parameters)
 from .dispatch import dispatch_combine
 
 # model inputs that are never batch-major, whatever their length
@@ -45,6 +46,13 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.
         raise TypeError(f"expert_parallel: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     ranks = mesh.size(axis)  # raises, naming the axes, if the mesh lacks `axis`
     experts = find_experts(model)
+    refused = unsupported_experts(model, experts)
+    if refused:
+        raise ValueError(f"expert_parallel: {type(model).__name__} has experts modules expert parallel cannot "
+                         f"spread: " + "; ".join(f"{n}: {why}" for n, why in list(refused.items())[:3])
+                         + ". Expert parallel moves whole experts of a module whose parameters stack them on dim 0 "
+                           "and whose forward takes the router's (hidden, top_k_index, top_k_weights); train this "
+                           "model with dp/tp/pp instead (the ep axis as a data axis: parallelize on a 'dp' mesh)")
     if not experts:
         raise ValueError(f"expert_parallel: {type(model).__name__} has no MoE experts module (a module whose "
                          f"parameters stack experts on dim 0 and whose forward takes (hidden, indices, weights))")
@@ -105,6 +113,45 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def unsupported_experts(model: nn.Module, found: dict | None = None) -> dict[str, str]:
+    """MoE experts modules `find_experts` does not take, with why: modules named experts (a parent's
+    `experts` attribute, or a class named ...Experts / ...NaiveMoe) outside the ones found."""
+    found = find_experts(model) if found is None else found
+    taken = {id(m) for m in found.values()}
+    out = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        named = name.rsplit(".", 1)[-1] == "experts" or cls.endswith(("Experts", "NaiveMoe")) or "ParallelExperts" in cls
+        if not named or "Shared" in cls or id(module) in taken or any(name.startswith(f + ".") for f in found):
+            continue
+        if not any(True for _ in module.parameters()) or any(name.startswith(n + ".") for n in out):
+            continue
+        out[name] = _why_unsupported(module)
+    return out
+
+
+def _why_unsupported(module: nn.Module) -> str:
+    cls = type(module).__name__
+    children = [m for m in module.children() if any(True for _ in m.parameters())]
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or (children and not module._parameters):
+        return (f"{cls} holds {len(children)} expert modules (not stacked weights) and its forward "
+                f"{_signature(module)} routes by its own rule")
+    params = {n: tuple(p.shape) for n, p in module._parameters.items() if p is not None}
+    leading = {shape[0] for shape in params.values()}
+    if len(leading) > 1:
+        return (f"{cls}'s stacked weights count different numbers of experts ({params}): extra experts without "
+                f"weights (zero/identity experts) are computed where the token lives")
+    return (f"{cls}.forward{_signature(module)} does not take the router's (hidden, top_k_index, top_k_weights): "
+            f"it computes experts on tokens it sorts or scales itself")
+
+
+def _signature(module: nn.Module) -> str:
+    try:
+        return str(inspect.signature(type(module).forward)).replace("self, ", "")
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 def _takes_routing(forward) -> bool:
     try:
         sig = inspect.signature(forward)
@@ -145,11 +192,21 @@ def _dispatching_forward(module: nn.Module, mesh: DeviceMesh, axis: str, where: 
     n_total = _expert_count(module)
     n_local = n_total // mesh.size(axis)
 
+    # parameters of the module's own submodules (MuseSpark's post-expert norm): shared by every expert,
+    # replicated over the axis; inside, they meet the received rows as local tensors
+    inner = [sub for name, sub in module.named_modules() if sub is not module
+             and any(p is not None for p in sub._parameters.values())]
+
     def compute(received: Tensor, local_ids: Tensor) -> Tensor:
         params = {pn: p for pn, p in module._parameters.items() if p is not None}
         locals_ = {pn: _local_of(p) for pn, p in params.items()}
         ones = torch.ones(local_ids.shape + (1,), dtype=received.dtype, device=received.device)
-        with local_experts(module, locals_, n_total, n_local):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(local_experts(module, locals_, n_total, n_local))
+            for sub in inner:
+                shared = {pn: _local_shared(p, axis) for pn, p in sub._parameters.items() if p is not None}
+                locals_.update({f"{id(sub)}.{pn}": t for pn, t in shared.items()})
+                stack.enter_context(swapped_parameters(sub, shared))
             out = original(received, local_ids.unsqueeze(-1), ones)
         if out.shape[0] == 0 and torch.is_grad_enabled() and received.requires_grad:
             # nothing reached this rank's experts: still join both all_to_alls' backward, with zero gradients
@@ -177,6 +234,16 @@ def _local_rows(dt: DTensor) -> Tensor:
     if torch.is_grad_enabled() and dt.requires_grad:
         return local_input(dt, dt.dist_layout, dt.dist_layout)
     return dt._local
+
+
+def _local_shared(p: Tensor, axis: str) -> Tensor:
+    """A parameter replicated over `axis` used on this rank's rows only: its local value, whose gradient is
+    this rank's part of the sum over the axis (a pending sum, reduced into the parameter's layout)."""
+    if not isinstance(p, DTensor):
+        return p
+    if torch.is_grad_enabled() and p.requires_grad:
+        return local_input(p, p.dist_layout, p.dist_layout.with_partial(axis))
+    return p._local
 
 
 def _local_of(p: Tensor) -> Tensor:

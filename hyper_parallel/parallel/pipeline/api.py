@@ -85,35 +85,38 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, sche
     """`pipeline`'s body; `initialize=False` leaves a meta model's stages on the meta device, laid out (for
     `from_pretrained`, which allocates each rank's pieces and reads them from the folder)."""
     dims = ParallelDims.of(mesh, "pipeline", allow_other_axes=True)
-    recipe = cut.recipe_for(model)
+    structure = cut.find_structure(model)
     pp = mesh.size(axis)
     _check_arguments(model, schedule, n_microbatches, stages_per_rank, pp)
+    cut.check_model(model, structure, pp * stages_per_rank)
     stage_dims = _check_parallelize_kwargs(dims, axis, parallelize_kwargs)
     style = SCHEDULES[schedule][1]
     n_stages = pp * stages_per_rank
 
-    layer_weights, first_weight, last_weight = cut.part_weights(model, recipe)
+    layer_weights, first_weight, last_weight = cut.part_weights(model, structure)
     if split_points is None:
         ranges = cut.balance(layer_weights, n_stages, first_weight, last_weight)
     else:
-        ranges = cut.stages_from_split_points(split_points, len(layer_weights), n_stages,
-                                              f"{recipe.base}.{recipe.layers}")
+        ranges = cut.stages_from_split_points(split_points, len(layer_weights), n_stages, structure.layers_path)
     specs = [cut.StageSpec(s, n_stages, ranges[s]) for s in range(n_stages)]
     owner = [stage_rank(s, pp, style) for s in range(n_stages)]
     me = mesh.get_local_rank(axis)
     mine = [spec for spec in specs if owner[spec.index] == me]
 
     whole_meta = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
-    key_owner = _key_owners(whole_meta, specs, owner, recipe)
+    key_owner = _key_owners(whole_meta, specs, owner, structure)
 
-    cut.prune(model, recipe, {i for spec in mine for i in spec.layers},
+    attributes = cut.layer_attributes(model, structure)
+    cut.prune(model, structure, {i for spec in mine for i in spec.layers},
               any(s.first for s in mine), any(s.last for s in mine))
     if initialize and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         init_parameters(model)   # a meta build: materialise only this rank's stages
-    views = [cut.stage_view(model, recipe, spec) for spec in mine]
+    carry: dict = {}   # what the first stage hands the decoder stack besides the hidden state (cut.CarrySpec)
+    views = [cut.stage_view(model, structure, spec, carry, attributes) for spec in mine]
     _parallelize_stages(model, views, stage_dims, parallelize_kwargs)
 
-    pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, recipe, key_owner, whole_meta)
+    pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, structure, key_owner, whole_meta,
+                    carry, owner[0])
     layout = ", ".join(f"stage {s.index}: layers {s.layers.start}-{s.layers.stop - 1} on {axis}={owner[s.index]}"
                        for s in specs)
     record_applied(model, f"pp: {n_stages} stages over {axis!r} ({schedule}, {n_microbatches} micro-batches; "
@@ -133,11 +136,6 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
                          f"(or 'interleaved_zb', 'zbv') for stages_per_rank={stages_per_rank}")
     if schedule == "zbv" and stages_per_rank != 2:
         raise ValueError("pipeline: schedule 'zbv' runs exactly two stages per rank (a V): stages_per_rank=2")
-    if getattr(model.config, "tie_word_embeddings", False) and pp * stages_per_rank > 1:
-        raise ValueError(f"pipeline: {type(model).__name__} ties its input embeddings to its head "
-                         f"(config.tie_word_embeddings=True) but they sit on different stages; untie them "
-                         f"(model.lm_head.weight = nn.Parameter(model.lm_head.weight.clone()) and "
-                         f"config.tie_word_embeddings=False) before pipeline()")
 
 
 def _check_parallelize_kwargs(dims: ParallelDims, axis: str, kwargs: dict) -> ParallelDims | None:
@@ -179,11 +177,12 @@ def _parallelize_stages(model: nn.Module, views: list, stage_dims: ParallelDims 
         applied += [text for text in view.__dict__.get("_hp_applied", []) if text not in applied]
 
 
-def _key_owners(whole_meta: dict, specs: list, owner: list, recipe: cut.Recipe) -> dict:
-    """state_dict key -> pp coordinate of the rank that holds it."""
-    prefix = f"{recipe.base}.{recipe.layers}."
-    first_keys = (f"{recipe.base}.{recipe.embed}.",)
-    last_keys = (f"{recipe.base}.{recipe.norm}.", f"{recipe.head}.")
+def _key_owners(whole_meta: dict, specs: list, owner: list, structure: cut.Structure) -> dict:
+    """state_dict key -> pp coordinate of the rank that holds it (buffers of modules every stage keeps: the
+    first stage's)."""
+    prefix = f"{structure.layers_path}."
+    first_keys = tuple(f"{p}." for p in structure.first)
+    last_keys = tuple(f"{p}." for p in structure.last)
     layer_owner = {i: owner[s.index] for s in specs for i in s.layers}
     out = {}
     for key in whole_meta:
@@ -194,8 +193,7 @@ def _key_owners(whole_meta: dict, specs: list, owner: list, recipe: cut.Recipe) 
         elif key.startswith(last_keys):
             out[key] = owner[-1]
         else:
-            raise ValueError(f"pipeline: state_dict key {key!r} belongs to no stage (the cutter knows the "
-                             f"embeddings, the layers, the norm and the head)")
+            out[key] = owner[0]  # a buffer of a module without parameters, which every stage keeps
     return out
 
 
@@ -203,13 +201,16 @@ class Pipeline:
     """This rank's stages of a pipelined model and the torch schedule that runs them."""
 
     def __init__(self, model: nn.Module, views: list, specs: list, mesh: DeviceMesh, axis: str, schedule: str,
-                 n_microbatches: int, recipe: cut.Recipe, key_owner: dict, whole_meta: dict):
+                 n_microbatches: int, structure: cut.Structure, key_owner: dict, whole_meta: dict,
+                 carry: dict | None = None, first_owner: int = 0):
         self.model = model                  # pruned: holds this rank's stages, under the original names
         self.stages = views                 # one module per local stage (cut.stage_view)
         self.specs = specs
         self.mesh, self.axis, self.schedule_name = mesh, axis, schedule
         self.n_microbatches = n_microbatches
-        self.recipe = recipe
+        self.structure = structure
+        self._carry = carry if carry is not None else {}   # shared with the stages (cut.stage_view)
+        self._first_owner = first_owner
         self.pp = mesh.size(axis)
         self.group = mesh.get_group(axis)
         dims = ParallelDims.of(mesh, "pipeline", allow_other_axes=True)
@@ -229,6 +230,7 @@ class Pipeline:
         n_stages = specs[0].n_stages
         self.last_owner = stage_rank(n_stages - 1, self.pp, SCHEDULES[schedule][1])
         self._schedules: dict = {}
+        self._carry_specs: dict = {}   # input shapes -> cut.CarrySpec
         self._key_owner = key_owner          # state_dict key -> pp coordinate holding it
         self._whole_meta = whole_meta        # state_dict key -> (shape, dtype) of the whole model
         self._owner_meshes = stage_owner_meshes(mesh, mesh.axis_index(axis))
@@ -288,7 +290,7 @@ class Pipeline:
             collectives.all_reduce_(valid, group)
         self._valid_tokens = max(float(valid), 1.0)
         self._loss_scale = float(self.dp)
-        schedule = self._schedule(tuple(input_ids.shape), train=True)
+        schedule = self._prepare(input_ids, inputs, train=True)
         losses: list = []
         args = (input_ids,) if self._has_first() else ()
         self._run(schedule, args, dict(input_ids=input_ids, **inputs), target=labels, losses=losses,
@@ -305,10 +307,11 @@ class Pipeline:
         """Logits of this rank's micro-batch, on every rank (forward only, through the same stages)."""
         inputs = _positions_per_row(input_ids, inputs)
         self._check_feed("Pipeline.eval_forward", input_ids, None, inputs, need_labels=False)
-        schedule = self._schedule(tuple(input_ids.shape), train=False)
+        schedule = self._prepare(input_ids, inputs, train=False)
         args = (input_ids,) if self._has_first() else ()
         out = self._run(schedule, args, dict(input_ids=input_ids, **inputs))
-        vocab = self.model.config.vocab_size
+        config = self.model.config
+        vocab = (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
         shape = (input_ids.shape[0], input_ids.shape[1] // self.cp, vocab)
         logits = out if out is not None else torch.zeros(shape, device=self.device)
         logits = self._from_last(logits.float().contiguous())
@@ -345,9 +348,23 @@ class Pipeline:
             return (f"{call}: this rank's batch of {batch} rows must divide into n_microbatches="
                     f"{self.n_microbatches} equal micro-batches")
         for name, value in inputs.items():
-            if not isinstance(value, torch.Tensor) or value.shape[:1] != (batch,):
+            if not isinstance(value, torch.Tensor) or value.ndim == 0:
                 return (f"{call}: input {name!r} must be a tensor with the batch ({batch}) first; got "
                         f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
+            if value.shape[0] != batch and value.shape[0] % self.n_microbatches:
+                return (f"{call}: input {name!r} of shape {tuple(value.shape)} has neither the batch ({batch}) "
+                        f"first nor rows (images, patches) that divide into n_microbatches={self.n_microbatches} "
+                        f"equal parts")
+        if any(v.shape[0] != batch for v in inputs.values()):
+            # rows of images/patches are cut into equal parts, one per micro-batch: right only when every
+            # micro-batch holds the same number of placeholder tokens of each modality
+            for token_name, token in _placeholder_tokens(self.model.config):
+                counts = [int((chunk == token).sum()) for chunk in input_ids.tensor_split(self.n_microbatches)]
+                if len(set(counts)) > 1:
+                    return (f"{call}: the micro-batches hold {counts} {token_name} placeholder tokens; the "
+                            f"multimodal inputs (pixel values, grids) are cut into {self.n_microbatches} equal "
+                            f"parts, so every micro-batch must hold as many (order the batch so they do, or use "
+                            f"n_microbatches that groups the rows evenly)")
         return None
 
     def _run(self, schedule, args: tuple, kwargs: dict, **extra):
@@ -376,6 +393,38 @@ class Pipeline:
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         return total * (self._loss_scale / self._valid_tokens)
 
+    def _prepare(self, input_ids: torch.Tensor, inputs: dict, train: bool):
+        """The schedule for these inputs' shapes, and what the first stage carries besides the hidden state
+        (cut.CarrySpec): found once per input shape by running the first stage on the first micro-batch
+        (no gradients) and sent to the other stages, which receive its pieces positionally."""
+        shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
+        if self.pp > 1:
+            if shapes not in self._carry_specs:
+                self._carry_specs[shapes] = self._probe(input_ids, inputs)
+            self._carry["spec"] = self._carry_specs[shapes]
+        else:
+            self._carry.pop("spec", None)   # every stage here: the first stage's forward sets it
+        return self._schedule(shapes, train)
+
+    def _probe(self, input_ids: torch.Tensor, inputs: dict):
+        """The first stage's CarrySpec on every pp rank; a refusal there (what it cannot carry) is raised on
+        every rank alike."""
+        spec = None
+        if self._has_first():
+            self._carry.pop("spec", None)
+            micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
+            first = next(view for view, s in zip(self.stages, self.specs) if s.first)
+            try:
+                with torch.no_grad():
+                    first(micro["input_ids"], **micro)
+                spec = self._carry["spec"]
+            except ValueError as e:
+                spec = f"{type(e).__name__}: {e}"
+        spec = collectives.broadcast_object(spec, dist.get_global_rank(self.group, self._first_owner), self.group)
+        if isinstance(spec, str):
+            raise ValueError(f"{spec} (raised by the first stage, on pp rank {self._first_owner})")
+        return spec
+
     def _schedule(self, batch_shape: tuple, train: bool):
         """The torch schedule for this micro-batch shape (stages infer their P2P shapes on first use); on a pp
         axis of size 1 (every stage here), the stages run one after the other with no schedule.
@@ -403,6 +452,17 @@ class Pipeline:
     def __repr__(self) -> str:
         stages = ", ".join(f"{s.index} (layers {s.layers.start}-{s.layers.stop - 1})" for s in self.specs)
         return f"Pipeline({self.schedule_name}, {self.n_microbatches} micro-batches, stages {stages})"
+
+
+def _placeholder_tokens(config) -> list[tuple[str, int]]:
+    """The image/video/audio placeholder token ids a multimodal config names (e.g. image_token_id)."""
+    out = []
+    for name in dir(config):
+        if any(m in name for m in ("image", "video", "audio")) and name.endswith(("_token_id", "_token_index")):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                out.append((name, value))
+    return out
 
 
 _COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "broken pipe")
@@ -443,7 +503,7 @@ class _Sequential:
             out = chunks[0][i]
             micro = {k: v[i] for k, v in kw_chunks.items()}
             for stage in self.pipe.stages:
-                out = stage(out, **micro)
+                out = stage(*(out if isinstance(out, tuple) else (out,)), **micro)
             if self.train:
                 loss = self.pipe._loss(out, targets[i])
                 loss.backward()

@@ -1,89 +1,188 @@
-"""Cutting a Hugging Face decoder-only causal LM into pipeline stages that keep its own layer code.
+"""Cutting a Hugging Face model with a decoder into pipeline stages that run the model's own code.
 
-A stage is a *view* of the model: a shallow copy of the root, of its base model and of the layer list, in
-which every module the stage does not run is None. The view keeps the original attribute paths, so its
-parameters carry the model's own names (`model.layers.5.mlp.up_proj.weight`) and `shard` plans, `hsdp`
-and checkpoints address it exactly as they address the whole model. Its forward is the base model's
-forward restricted to its layers: embeddings on the first stage, then per stage the rotary position
-embeddings and the attention masks are recomputed from the positions (so only the hidden state travels
-between stages), the stage's decoder layers are called with the model's own forward code, and the last
-stage applies the final norm and the head (the loss is the pipeline's loss function).
+Found by structure, not by class name (`find_structure`): the decoder stack is `model.get_decoder()` (the
+language model of a multimodal model), its decoder layers the longest nn.ModuleList of blocks of one
+class under it. Walking from the root down to the module holding that list, every other child goes to
+the first stage or the last: in the holder, what is registered before the list (embeddings) to the
+first, what after it (the final norm) to the last; in the modules between (a multimodal model) the towers
+and projectors to the first; at the root, the output head and what follows the base model to the last.
+Modules without parameters (rotary embeddings) stay on every stage.
+
+A stage is a *view* of the model: shallow copies of the modules on that path and of the layer list, in
+which every module the stage does not run is None, so parameters keep the model's own names
+(`model.language_model.layers.5.mlp.up_proj.weight`) and `shard` plans, `hsdp` and checkpoints address it
+as they address the whole model. The view's forward *is the model's own forward*, with three cuts:
+- the first stage runs it from the inputs (towers, embeddings, 3-D rotary positions, ...) until the
+  input of the next stage's first layer, where a stand-in layer stops it (`_Exit`);
+- a later stage runs it from `inputs_embeds` (a placeholder) through stand-in layers that pass their
+  input on (`_Skip`), and its first own layer takes the hidden state received from the previous stage
+  instead (a one-shot pre-hook); masks and rotary embeddings are the model's own, recomputed per stage;
+- the last stage runs on through the final norm and the head; its result is the logits.
+What the first stage computed before the decoder stack and handed to it (3-D position ids, Qwen3-VL's
+deepstack visual features and their positions, ...) is captured there (a pre-hook on the decoder stack)
+and carried along the pipeline with the hidden state (`CarrySpec`), as (batch, sequence, ...) tensors, so
+each stage hands the decoder stack what one device would; the inputs every stage receives (the padding
+mask, position ids given by the caller) need no carrying.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from ...dtensor.dtensor import DTensor
-from ..feed import feed_of
+from ..feed import feed_of, named_inputs
 
 
+# ---- the structure ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Recipe:
-    """Where a known causal-LM class keeps its parts and how it picks each layer's attention mask.
+class Structure:
+    """Where a model keeps its decoder layers and which of its other modules go to the first/last stage.
 
-    mask: "causal" (one causal mask), "layer_types" (config.layer_types[i] names a full or sliding
-    mask per layer, as Qwen2/Qwen3 do), "sliding_if_window" (a sliding mask for every layer when
-    config.sliding_window is set, as Mistral/Qwen3-MoE do).
-    """
-    mask: str
-    base: str = "model"
-    embed: str = "embed_tokens"
-    layers: str = "layers"
-    rotary: str = "rotary_emb"
-    norm: str = "norm"
-    head: str = "lm_head"
+    holders: module paths from the root ("") down to the module holding the layer list; decoder: the path
+    of the decoder stack (`get_decoder()`, whose forward pre-hook captures what later stages need);
+    first/last: module paths of the parts of the first and the last stage."""
+    holders: tuple
+    layers_name: str
+    n_layers: int
+    decoder: str
+    first: tuple
+    last: tuple
 
-
-# The classes whose forward the stage forward reproduces (checked against transformers' modeling code).
-RECIPES: dict[str, Recipe] = {
-    "LlamaForCausalLM": Recipe("causal"),
-    "DeepseekV3ForCausalLM": Recipe("causal"),
-    "Qwen3ForCausalLM": Recipe("layer_types"),
-    "Qwen2ForCausalLM": Recipe("layer_types"),
-    "Qwen3MoeForCausalLM": Recipe("sliding_if_window"),
-    "MistralForCausalLM": Recipe("sliding_if_window"),
-}
+    @property
+    def layers_path(self) -> str:
+        return _join(self.holders[-1], self.layers_name)
 
 
-def recipe_for(model: nn.Module) -> Recipe:
-    """The recipe of `model`'s class, or a ValueError that names the class and the known ones."""
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _get(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
+
+
+def _has_params(module: nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
+
+
+def _layer_lists(root: nn.Module, prefix: str) -> list[tuple[str, nn.ModuleList]]:
+    """Every ModuleList under `root` whose entries are blocks with parameters (hybrid models mix classes:
+    attention and state-space layers in one list)."""
+    out = []
+    for name, module in root.named_modules(prefix=prefix):
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(_has_params(m) for m in module):
+            out.append((name, module))
+    return out
+
+
+# where registration order cannot decide: a final norm some models (OPT) register before their layer list
+_FINAL_NORMS = frozenset({"norm", "ln_f", "norm_f", "final_layer_norm", "final_layernorm", "final_norm"})
+
+
+def find_structure(model: nn.Module) -> Structure:
+    """The decoder layers of `model` and the placement of everything else; a ValueError saying why not."""
     name = type(model).__name__
-    recipe = RECIPES.get(name)
-    if recipe is None:
-        raise ValueError(f"pipeline: the stage cutter does not know {name}; it cuts "
-                         f"{', '.join(sorted(RECIPES))}. Add a Recipe for it in "
-                         f"hyper_parallel/parallel/pipeline/cut.py (base model, layer list, mask rule) once "
-                         f"its base model forward matches the Llama pattern")
-    base = getattr(model, recipe.base, None)
-    for part in (recipe.embed, recipe.layers, recipe.rotary, recipe.norm):
-        if base is None or not hasattr(base, part):
-            raise ValueError(f"pipeline: {name} has no {recipe.base}.{part}; the cutter expects the standard "
-                             f"transformers layout")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"pipeline: {name} has no output head (get_output_embeddings() is None): the pipeline "
+                         f"trains a model whose last stage gives logits; use a model with a language-model head "
+                         f"(e.g. AutoModelForCausalLM / AutoModelForImageTextToText)")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    paths = {id(m): n for n, m in model.named_modules()}
+    if not isinstance(decoder, nn.Module) or id(decoder) not in paths:
+        raise ValueError(f"pipeline: {name}.get_decoder() does not name a submodule; the stage cutter needs the "
+                         f"decoder stack (the language model) to find its layer list")
+    decoder_path = paths[id(decoder)]
+    lists = _layer_lists(decoder, decoder_path)
+    if not lists:
+        raise ValueError(f"pipeline: {name}'s decoder {type(decoder).__name__} holds no nn.ModuleList of decoder "
+                         f"layers; the stage cutter cuts along such a list")
+    # the longest list; among equally long ones, blocks of one class, then the shallowest
+    layers_path, layers = max(lists, key=lambda item: (len(item[1]), len({type(m) for m in item[1]}) == 1,
+                                                       -item[0].count(".")))
+    holder_path, _, layers_name = layers_path.rpartition(".")
+    if not (decoder_path == holder_path or holder_path.startswith(decoder_path + ".") or decoder_path == ""
+            or holder_path == decoder_path):
+        raise ValueError(f"pipeline: {name}: the layer list {layers_path} is not inside the decoder {decoder_path}")
+    chain = [""]
+    parts = holder_path.split(".") if holder_path else []
+    for i in range(len(parts)):
+        chain.append(".".join(parts[: i + 1]))
+    first, last = [], []
+    for depth, holder in enumerate(chain):
+        module = _get(model, holder)
+        on_path = layers_name if depth == len(chain) - 1 else chain[depth + 1].rsplit(".", 1)[-1]
+        seen_path = False
+        for child_name, child in module._modules.items():
+            if child_name == on_path:
+                seen_path = True
+                continue
+            if not _has_params(child):
+                continue  # rotary embeddings, dropout: kept on every stage
+            path = _join(holder, child_name)
+            final_norm = depth == len(chain) - 1 and child_name in _FINAL_NORMS
+            if child is head or final_norm or depth == len(chain) - 1 and seen_path or depth == 0 and seen_path:
+                last.append(path)
+            else:
+                first.append(path)
+    if not any(head is _get(model, p) for p in last):
+        raise ValueError(f"pipeline: {name}'s output head is not a child of the modules above its layer list "
+                         f"{layers_path}; the stage cutter cannot place it on the last stage")
+    return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last))
+
+
+def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
+    """What makes a model uncuttable or the pipeline's loss wrong, refused before anything changes."""
+    name = type(model).__name__
     config = model.config
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(f"pipeline: {name} has config.output_router_logits=True: the router auxiliary loss "
-                         f"spans every stage and the pipeline's loss does not add it; set it to False")
-    return recipe
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in {id(config): config, id(text): text}.values():
+        if getattr(c, "output_router_logits", False):
+            raise ValueError(f"pipeline: {name} has config.output_router_logits=True: the router auxiliary loss "
+                             f"spans every stage and the pipeline's loss does not add it; set it to False")
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    if getattr(model, flag, False):
+        raise ValueError(f"pipeline: {name} has gradient checkpointing on; a stage's first layer takes the "
+                         f"received hidden state from a one-shot hook that a recomputation would not see: call "
+                         f"model.gradient_checkpointing_disable() before pipeline()")
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings()
+    if n_stages > 1 and embed is not None and getattr(embed, "weight", None) is getattr(head, "weight", 1):
+        raise ValueError(f"pipeline: {name} ties its input embeddings to its head (tie_word_embeddings=True) but "
+                         f"they sit on different stages; untie them (model.lm_head.weight = "
+                         f"nn.Parameter(model.lm_head.weight.clone()) and tie_word_embeddings=False in its "
+                         f"config) before pipeline()")
+    if n_stages > 1:
+        owner: dict = {}
+        parts = [(f"layer {i}", layer) for i, layer in enumerate(layer_list(model, structure))]
+        parts += [(path, _get(model, path)) for path in structure.first + structure.last]
+        for part, module in parts:
+            for p in module.parameters():
+                if owner.setdefault(id(p), part) != part:
+                    raise ValueError(f"pipeline: {name}'s {owner[id(p)]} and {part} share parameters (tied weights, "
+                                     f"or a block reused across the layer list); the stage "
+                                     f"cutter places each parameter on one stage and cannot cut this model: use "
+                                     f"dp/tp instead")
 
 
-def layer_list(model: nn.Module, recipe: Recipe) -> nn.ModuleList:
-    return getattr(getattr(model, recipe.base), recipe.layers)
+def layer_list(model: nn.Module, structure: Structure) -> nn.ModuleList:
+    return getattr(_get(model, structure.holders[-1]), structure.layers_name)
 
 
 def _numel(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
-def part_weights(model: nn.Module, recipe: Recipe) -> tuple[list[int], int, int]:
+def part_weights(model: nn.Module, structure: Structure) -> tuple[list[int], int, int]:
     """Parameter counts: per decoder layer, of what the first stage adds, of what the last stage adds."""
-    base = getattr(model, recipe.base)
-    layers = [_numel(layer) for layer in layer_list(model, recipe)]
-    first = _numel(getattr(base, recipe.embed))
-    last = _numel(getattr(base, recipe.norm)) + _numel(getattr(model, recipe.head, None))
+    layers = [_numel(layer) for layer in layer_list(model, structure)]
+    first = sum(_numel(_get(model, p)) for p in structure.first)
+    last = sum(_numel(_get(model, p)) for p in structure.last)
     return layers, first, last
 
 
@@ -91,7 +190,7 @@ def part_weights(model: nn.Module, recipe: Recipe) -> tuple[list[int], int, int]
 def balance(layer_weights: Sequence[int], n_stages: int, first: int = 0, last: int = 0) -> list[range]:
     """Cut layers 0..L-1 into `n_stages` contiguous non-empty runs minimising the heaviest stage.
 
-    Stage 0 also carries `first` (embeddings), the last stage `last` (norm and head). Exact dynamic
+    Stage 0 also carries `first` (embeddings, towers), the last stage `last` (norm and head). Exact dynamic
     programme over cut positions, O(stages * layers^2); ties go to the earliest cut.
     """
     n = len(layer_weights)
@@ -106,7 +205,6 @@ def balance(layer_weights: Sequence[int], n_stages: int, first: int = 0, last: i
         return prefix[b] - prefix[a] + (first if stage == 0 else 0) + (last if stage == n_stages - 1 else 0)
 
     inf = float("inf")
-    # best[s][j]: minimal max over stages 0..s covering layers 0..j-1; cut[s][j]: where stage s starts
     best = [[inf] * (n + 1) for _ in range(n_stages)]
     cut = [[0] * (n + 1) for _ in range(n_stages)]
     for j in range(1, n + 1):
@@ -132,7 +230,7 @@ def stages_from_split_points(split_points: Sequence, n_layers: int, n_stages: in
     for point in split_points:
         if isinstance(point, str):
             tail = point.rsplit(".", 1)[-1]
-            if not tail.isdigit() or not (point == tail or point.endswith(f"layers.{tail}")):
+            if not tail.isdigit() or not (point == tail or point.endswith(f"{layers_path.rsplit('.', 1)[-1]}.{tail}")):
                 raise ValueError(f"pipeline: split point {point!r} does not name a decoder layer; give an index "
                                  f"or a name like {layers_path}.4")
             point = int(tail)
@@ -173,38 +271,177 @@ class StageSpec:
         return self.index == self.n_stages - 1
 
 
-def prune(model: nn.Module, recipe: Recipe, keep_layers: set, first: bool, last: bool) -> None:
+def _set_child(model: nn.Module, path: str, value) -> None:
+    parent, _, name = path.rpartition(".")
+    _get(model, parent)._modules[name] = value
+
+
+def prune(model: nn.Module, structure: Structure, keep_layers: set, first: bool, last: bool) -> None:
     """Drop, in place, every part of `model` that none of this rank's stages runs (set to None)."""
-    base = getattr(model, recipe.base)
-    layers = layer_list(model, recipe)
+    layers = layer_list(model, structure)
     for i in range(len(layers)):
         if i not in keep_layers:
             layers._modules[str(i)] = None
-    if not first:
-        setattr(base, recipe.embed, None)
-    if not last:
-        setattr(base, recipe.norm, None)
-        setattr(model, recipe.head, None)
+    for paths, keep in ((structure.first, first), (structure.last, last)):
+        if not keep:
+            for path in paths:
+                _set_child(model, path, None)
 
 
-def stage_view(model: nn.Module, recipe: Recipe, spec: StageSpec) -> nn.Module:
-    """A view of the (pruned) model that runs only stage `spec`; see the module docstring."""
-    view = _shallow(model)
-    base = _shallow(getattr(model, recipe.base))
-    layers = _shallow(layer_list(model, recipe))
+class _StageExit(Exception):
+    """Raised by the stand-in for the next stage's first layer: this stage's output is its input."""
+
+    def __init__(self, hidden):
+        super().__init__("pipeline stage exit")
+        self.hidden = hidden
+
+
+def _hidden_arg(args: tuple, kwargs: dict):
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+class _Skip(nn.Module):
+    """A layer of an earlier stage: passes its input on (the stage's first own layer replaces it)."""
+
+    def forward(self, *args, **kwargs):
+        return _hidden_arg(args, kwargs)
+
+
+class _Exit(_Skip):
+    """The next stage's first layer, seen from this stage: stops the forward with the hidden state it gets,
+    noting the other keywords the loop hands a layer (`StageState.layer_kwargs`)."""
+
+    def forward(self, *args, **kwargs):
+        state = self.__dict__.get("_hp_state")
+        if state is not None:
+            state.layer_kwargs = {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
+        raise _StageExit(_hidden_arg(args, kwargs))
+
+
+def _stand_in(cls: type, attributes: dict) -> nn.Module:
+    """A stand-in layer carrying the real layer's plain attributes (a hybrid model's loop reads
+    `layer.block_type` or `layer.attention_type` before calling it)."""
+    module = cls()
+    for key, value in attributes.items():
+        if not hasattr(module, key):
+            module.__dict__[key] = value
+    return module
+
+
+def layer_attributes(model: nn.Module, structure: Structure) -> list[dict]:
+    """Per decoder layer, its plain attributes (str, int, float, bool, None), read before pruning."""
+    plain = (str, int, float, bool, type(None))
+    return [{k: v for k, v in layer.__dict__.items() if not k.startswith("_") and isinstance(v, plain)}
+            for layer in layer_list(model, structure)]
+
+
+class _Absent(nn.Module):
+    """On a later stage, an embedding of the first stage that the decoder stack still calls before its
+    layers (GPT-2's position embeddings): zeros of the hidden width for integer inputs, the input itself
+    for floating ones (an embedding norm). Whatever it gives is discarded at the stage's first layer."""
+
+    def __init__(self, state: "StageState"):
+        super().__init__()
+        self.__dict__["_hp_state"] = state
+
+    def forward(self, *args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        hidden = self.__dict__["_hp_state"].pending
+        if x is None or hidden is None or x.is_floating_point():
+            return x
+        return torch.zeros(tuple(x.shape) + (hidden.shape[-1],), dtype=hidden.dtype, device=hidden.device)
+
+
+@dataclass
+class CarrySpec:
+    """What the first stage carries besides the hidden state, in order: (name, kind) entries, kind "bs" (a
+    (batch, sequence, ...) tensor), "kbs" (a (k, batch, sequence, ...) tensor, carried with k last),
+    "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
+    (a list of (rows, hidden) tensors, the rows at the True positions of the carried mask M, carried dense);
+    and the constants handed to the decoder stack."""
+    entries: tuple = ()
+    constants: tuple = ()
+
+
+@dataclass
+class StageState:
+    """One stage view's runtime state (its hooks read it); `carry` is shared by the pipeline's stages."""
+    structure: Structure
+    spec: StageSpec
+    forward: Any                       # the model class's own forward
+    carry: dict = field(default_factory=dict)   # {"spec": CarrySpec} once known
+    capture: dict | None = None
+    inject: dict | None = None
+    pending: Any = None
+    layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
+
+
+def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
+               attributes: list[dict] | None = None) -> nn.Module:
+    """A view of the (pruned) model that runs only stage `spec`; see the module docstring. `attributes`:
+    `layer_attributes` of the unpruned model, copied onto the stand-ins of other stages' layers."""
+    copies = {}
+    for holder in structure.holders:
+        original = _get(model, holder)
+        copy = _shallow(original)
+        copies[holder] = copy
+        if holder:
+            parent, _, name = holder.rpartition(".")
+            copies[parent]._modules[name] = copy
+    view = copies[""]
+    original_layers = layer_list(model, structure)
+    layers = _shallow(original_layers)
+    copies[structure.holders[-1]]._modules[structure.layers_name] = layers
+    attributes = attributes or [{} for _ in layers._modules]
     for key in list(layers._modules):
-        if int(key) not in spec.layers:
-            layers._modules[key] = None
-    base._modules[recipe.layers] = layers
+        i = int(key)
+        if i in spec.layers:
+            continue
+        stand_in = _Exit if i == spec.layers.stop else _Skip if i < spec.layers.start else None
+        layers._modules[key] = stand_in and _stand_in(stand_in, attributes[i])
+    state = StageState(structure, spec, type(model).forward, carry)
+    if spec.layers.stop < len(layers._modules):
+        layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
+    inside = structure.decoder
+    for paths, keep in ((structure.first, spec.first), (structure.last, spec.last)):
+        if not keep:
+            for path in paths:
+                parent, _, name = path.rpartition(".")
+                in_decoder = parent == inside or parent.startswith(inside + ".") or not inside
+                # the decoder stack's own embeddings are still called on later stages, the towers are not
+                copies[parent]._modules[name] = _Absent(state) if in_decoder and paths is structure.first else None
+    decoder = copies.get(structure.decoder) if structure.decoder in copies else _get(view, structure.decoder)
+    decoder.register_forward_pre_hook(_decoder_hook(state), with_kwargs=True)
     if not spec.first:
-        base._modules[recipe.embed] = None
-    if not spec.last:
-        base._modules[recipe.norm] = None
-        view._modules[recipe.head] = None
-    view._modules[recipe.base] = base
+        original_layers[spec.layers.start].register_forward_pre_hook(_entry_hook(state), with_kwargs=True)
     view.__class__ = _stage_class(type(model))
-    view.__dict__["_hp_stage"] = (recipe, spec)
+    view.__dict__["_hp_stage"] = state
     return view
+
+
+def _decoder_hook(state: StageState):
+    """The decoder stack's pre-hook: on the first stage, note what it is handed; on later stages, hand it
+    what the first stage's was handed (carried)."""
+    def hook(module, args, kwargs):
+        if state.capture is not None:
+            state.capture.update(named_inputs(module, args, kwargs))
+        if state.inject:
+            kwargs = {**kwargs, **state.inject}
+            return args, kwargs
+        return None
+    return hook
+
+
+def _entry_hook(state: StageState):
+    """The stage's first own layer's pre-hook: its input is the received hidden state (once per forward)."""
+    def hook(module, args, kwargs):
+        hidden, state.pending = state.pending, None
+        if hidden is None:
+            return None
+        if args:
+            return (hidden,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+    return hook
 
 
 _STAGE_CLASSES: dict = {}
@@ -216,51 +453,160 @@ def _stage_class(cls: type) -> type:
     return _STAGE_CLASSES[cls]
 
 
-def stage_forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """input_ids (first stage) or the previous stage's local piece of the hidden state -> this rank's
-    piece of the hidden state, or of the logits (last stage).
+# the caller's inputs that later stages hand the model again (the rest feed the first stage's towers)
+_EVERY_STAGE_INPUTS = ("attention_mask", "position_ids")
 
-    Every stage receives the micro-batch's `input_ids` too: the stage's input steps (expert parallel's
-    batch shares, context parallel's sequence split; feed.py) run on them, giving the split masks and
-    positions and the layout of the tokens, which the hidden state piece received from the previous stage
-    is wrapped in."""
-    recipe, spec = self.__dict__["_hp_stage"]
-    base = getattr(self, recipe.base)
-    ids = x if spec.first else input_ids
-    inputs = {k: v for k, v in (("input_ids", ids), ("attention_mask", attention_mask),
-                                ("position_ids", position_ids)) if v is not None}
+
+def stage_forward(self, *received: torch.Tensor, **inputs: Any):
+    """The stage's part of the model's own forward (see the module docstring).
+
+    First stage: `received` is (input_ids,); later: (hidden piece, *carried pieces) from the previous stage.
+    Every stage gets the micro-batch's inputs as keywords too (input_ids included): the stage's input steps
+    (expert parallel's batch shares, context parallel's sequence split; feed.py) run on them, giving the
+    layout of the tokens, which the received pieces are wrapped in. Returns this rank's local pieces:
+    (hidden, *carried), or the logits on the last stage."""
+    state: StageState = self.__dict__["_hp_stage"]
+    spec = state.spec
+    call = {"input_ids": received[0] if spec.first and received else inputs.get("input_ids")}
+    call.update((k, v) for k, v in inputs.items() if k != "input_ids")
     stage_feed = feed_of(self)
-    steps = stage_feed.steps if stage_feed is not None else []
-    for step in steps:
-        _, inputs = step.apply(self, (), inputs)
-    ids, attention_mask, position_ids = (inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids"))
-    hidden = getattr(base, recipe.embed)(ids) if spec.first else _enter(x, ids)
-    if position_ids is None:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    masks = _masks(recipe, self.config, hidden, attention_mask, position_ids)
-    position_embeddings = getattr(base, recipe.rotary)(hidden, position_ids)
-    layers = getattr(base, recipe.layers)
-    for i in spec.layers:
-        hidden = layers[i](hidden, attention_mask=masks[i], position_embeddings=position_embeddings,
-                           position_ids=position_ids, use_cache=False)
+    for step in (stage_feed.steps if stage_feed is not None else []):
+        _, call = step.apply(self, (), call)
+    ids = call["input_ids"]
+    if accepts(state.forward, "use_cache"):
+        call["use_cache"] = False
+    if not spec.first:
+        carried = state.carry.get("spec")
+        if carried is None:
+            raise RuntimeError("pipeline: a later stage ran before the first stage's carried inputs were known")
+        hidden_in = _enter(received[0], ids)
+        state.inject = _decode(carried, received[1:], ids, hidden_in)
+        state.pending = hidden_in
+        call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
+        # a placeholder of the hidden state's shape: models scale their embeddings in place (CTRL)
+        call["inputs_embeds"] = torch.zeros_like(hidden_in)
+    else:
+        state.capture = {} if not spec.last else None
+    try:
+        out = state.forward(self, **call)
+        hidden = None
+    except _StageExit as e:
+        out, hidden = None, e.hidden
+    except TypeError as e:
+        if "'NoneType' object is not callable" not in str(e):
+            raise
+        raise RuntimeError(f"pipeline: stage {spec.index} of {type(self).__mro__[1].__name__} called a module "
+                           f"that the structural cutter placed on another stage ({e}); this model's forward "
+                           f"does not follow the embeddings -> layer list -> norm/head pattern") from e
+    finally:
+        captured, state.capture, state.inject, state.pending = state.capture, None, None, None
+        layer_kwargs, state.layer_kwargs = state.layer_kwargs, None
     if spec.last:
-        for step in steps:
-            restore = getattr(step, "restore_order", None)
-            hidden = restore(hidden) if restore is not None else hidden
-        hidden = getattr(self, recipe.head)(getattr(base, recipe.norm)(hidden))
-    return _leave(hidden)
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            logits = out[0] if isinstance(out, (tuple, list)) else out
+        return _leave(logits)
+    if spec.first:
+        carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {})
+        known = state.carry.setdefault("spec", carry_spec)
+        if known != carry_spec:
+            raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
+                             f"state, the first one handed it {known}; feed micro-batches of one kind (the same "
+                             f"modalities in every step of one input shape)")
+    else:
+        pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:]]
+    return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
+
+
+def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict) -> tuple[CarrySpec, list]:
+    """What the first stage handed the decoder stack that later stages cannot compute themselves, as
+    (batch, sequence, ...) tensors, and the spec that decodes them. A floating tensor of the hidden state's
+    shape that the loop hands every layer besides the hidden state (Zamba's original_hidden_states, computed
+    from the embeddings) is refused: later stages would compute it from their placeholder."""
+    batch, seq = tuple(ids.shape[:2])
+    entries, constants, pieces, masks = [], [], [], {}
+    lists = []
+    for name, value in layer_kwargs.items():
+        if (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
+                and tuple(value.shape) == tuple(hidden.shape)):
+            raise ValueError(f"pipeline: the decoder loop hands every layer {name!r}, a tensor of the hidden "
+                             f"state's shape computed before the layers; the stage cutter carries what the "
+                             f"decoder stack is handed, not this: use dp/tp for this model")
+    for name, value in captured.items():
+        if name in ("input_ids", "inputs_embeds", "use_cache") or value is None:
+            continue
+        if name in call and value is call[name]:
+            continue  # the caller's own input, which every stage gets
+        if isinstance(value, (bool, int, float, str)):
+            constants.append((name, value))
+        elif isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (batch, seq):
+            entries.append((name, "bs"))
+            pieces.append(value)
+            if value.dtype == torch.bool and value.ndim == 2:
+                masks[name] = value
+        elif isinstance(value, torch.Tensor) and value.ndim >= 3 and tuple(value.shape[1:3]) == (batch, seq):
+            entries.append((name, "kbs"))
+            pieces.append(value.movedim(0, -1))
+        elif (isinstance(value, dict) and value and not isinstance(ids, DTensor)
+              and all(v is None or isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch
+                      for v in value.values())):
+            # masks per attention type (Gemma 3's bidirectional image blocks), batch first
+            for key, v in value.items():
+                entries.append((name, f"dict:{'none' if v is None else 'b'}:{key}"))
+                if v is not None:
+                    pieces.append(v)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) and v.ndim == 2
+                                                               for v in value):
+            lists.append((name, value))
+        else:
+            raise ValueError(f"pipeline: the decoder stack is handed {name!r} ({type(value).__name__} "
+                             f"{tuple(getattr(value, 'shape', ()))}) computed before the decoder layers; the stage "
+                             f"cutter carries (batch, sequence, ...) tensors to later stages and cannot carry this")
+    for name, value in lists:
+        rows = value[0].shape[0]
+        mask = next((m for m, t in masks.items() if int(t.sum()) == rows), None)
+        if mask is None or any(v.shape[0] != rows for v in value):
+            raise ValueError(f"pipeline: the decoder stack is handed {name!r}, a list of {len(value)} tensors of "
+                             f"{rows} rows, and no (batch, sequence) mask with as many positions to carry them at")
+        entries.append((name, f"rows:{mask}:{len(value)}"))
+        for v in value:
+            dense = v.new_zeros((batch, seq, v.shape[-1]))
+            dense[masks[mask]] = v
+            pieces.append(dense)
+    return CarrySpec(tuple(entries), tuple(constants)), pieces
+
+
+def _decode(carry: CarrySpec, pieces: Sequence[torch.Tensor], ids, hidden) -> dict:
+    """The decoder stack's carried keywords from the received pieces (wrapped in the tokens' layout)."""
+    out = dict(carry.constants)
+    it = iter(pieces)
+    dense_lists = []
+    for name, kind in carry.entries:
+        if kind.startswith("dict:"):
+            _, what, key = kind.split(":", 2)
+            out.setdefault(name, {})[key] = None if what == "none" else next(it)
+            continue
+        if kind.startswith("rows:"):
+            _, mask, n = kind.split(":")
+            dense_lists.append((name, mask, [_enter(next(it), ids) for _ in range(int(n))]))
+            continue
+        value = _enter(next(it), ids)
+        out[name] = value.movedim(-1, 0) if kind == "kbs" else value
+    for name, mask, dense in dense_lists:
+        out[name] = [d[out[mask]] for d in dense]
+    return out
 
 
 def _enter(x: torch.Tensor, ids) -> torch.Tensor:
-    """The hidden state piece received from the previous stage, as the DTensor it was there: laid out as
-    the split tokens are (batch over "ep", sequence over "cp"), the hidden dim whole. Plain when the
-    tokens are (tensor parallel alone: the hidden state between layers is whole on every rank)."""
+    """A piece received from the previous stage, as the DTensor it was there: laid out as the split tokens
+    are (batch over "ep", sequence over "cp"), its trailing dims whole. Plain when the tokens are (tensor
+    parallel alone: the hidden state between layers is whole on every rank)."""
     if not isinstance(ids, DTensor):
         return x
     layout = ids.dist_layout
-    hidden_layout = layout.with_map(tuple(layout.tensor_map) + ((),), layout.partial)
-    return DTensor.from_local(x, hidden_layout, shape=tuple(ids.shape) + (x.shape[-1],))
+    extra = x.ndim - 2
+    piece_layout = layout.with_map(tuple(layout.tensor_map) + ((),) * extra, layout.partial)
+    return DTensor.from_local(x, piece_layout, shape=tuple(ids.shape) + tuple(x.shape[2:]))
 
 
 def _leave(t: torch.Tensor) -> torch.Tensor:
@@ -273,20 +619,10 @@ def _leave(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _masks(recipe: Recipe, config, hidden: torch.Tensor, attention_mask, position_ids) -> dict:
-    """Layer index -> the attention mask the model's own forward would hand that layer."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
-                  position_ids=position_ids)
-    n = config.num_hidden_layers
-    if recipe.mask == "layer_types":
-        types = config.layer_types
-        made = {"full_attention": create_causal_mask(**kwargs)}
-        if "sliding_attention" in types:
-            made["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return {i: made[types[i]] for i in range(n)}
-    if recipe.mask == "sliding_if_window" and getattr(config, "sliding_window", None) is not None:
-        mask = create_sliding_window_causal_mask(**kwargs)
-    else:
-        mask = create_causal_mask(**kwargs)
-    return dict.fromkeys(range(n), mask)
+def accepts(forward, name: str) -> bool:
+    """Whether `forward` takes keyword `name` (or any keyword)."""
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
