@@ -151,8 +151,13 @@ def _split_step(rank, world, x_entries, w_entries):
     for k, p in params.items():
         if type(p.grad) is not DTensor:
             out.append(f"{k}: gradient is a {type(p.grad).__name__}")
-        elif not torch.allclose(p.grad.full_tensor(), want_grads[k], rtol=1e-4, atol=1e-5):
-            out.append(f"{k}: gradient differs by {(p.grad.full_tensor() - want_grads[k]).abs().max():.2e}")
+        else:
+            # The step is cubic in its inputs and its gradients reach 3e4 with entries near 20: plain fp32 itself is
+            # 0.09 off a float64 run there, so an element-wise rtol compares below rounding. A wrong gradient (a
+            # pending sum dropped or doubled) is off by its own magnitude: compare within 1e-5 of the largest entry.
+            err = (p.grad.full_tensor() - want_grads[k]).abs().max()
+            if err > 1e-5 * want_grads[k].abs().max():
+                out.append(f"{k}: gradient differs by {err:.2e} (largest entry {want_grads[k].abs().max():.2e})")
     return out
 
 
