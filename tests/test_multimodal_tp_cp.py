@@ -67,3 +67,38 @@ def test_tp4_over_two_kv_heads_replicates_only_k_and_v(dist4):
     share, attn_share, summary = results[0]
     assert attn_share <= 0.6, f"{attn_share:.2%} of the attention bytes per rank\n{summary}"
     assert "k_proj/v_proj replicated" in summary, summary
+
+
+def test_structure_plan_property():
+    """Random tiny decoder attentions (heads, key/value heads, head size) and tp sizes: the by-structure plan
+    splits q/o exactly when the query heads divide, k/v exactly when the key/value heads divide too, and
+    otherwise records the reason; the MLP splits exactly when its hidden size divides."""
+    from hypothesis import given, settings, strategies as st
+    from torch import nn
+    from hyper_parallel.parallel.shard.structure import structure_plan
+
+    class Attn(nn.Module):
+        def __init__(self, heads, kv, hd):
+            super().__init__()
+            self.head_dim = hd
+            self.q_proj, self.k_proj = nn.Linear(8, heads * hd), nn.Linear(8, kv * hd)
+            self.v_proj, self.o_proj = nn.Linear(8, kv * hd), nn.Linear(heads * hd, 8)
+
+    class MLP(nn.Module):
+        def __init__(self, inter):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, inter), nn.Linear(8, inter), nn.Linear(inter, 8)
+
+    @settings(max_examples=30, deadline=None)
+    @given(st.integers(1, 4), st.integers(1, 3), st.sampled_from([2, 4]), st.integers(1, 4), st.integers(2, 12))
+    def check(kv, groups, hd, tp, inter):
+        model = nn.ModuleDict({"self_attn": Attn(kv * groups, kv, hd), "mlp": MLP(inter)})
+        found = structure_plan(model, tp)
+        heads = kv * groups
+        assert ("self_attn.q_proj" in found.styles) == (heads % tp == 0)
+        assert ("self_attn.k_proj" in found.styles) == (heads % tp == 0 and kv % tp == 0)
+        if heads % tp or kv % tp:
+            assert str(heads if heads % tp else kv) in found.notes["self_attn"]
+        assert (found.styles.get("mlp.down_proj") == "rowwise") == (inter % tp == 0)
+
+    check()
