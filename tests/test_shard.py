@@ -183,11 +183,12 @@ def _generate(rank, world, name, plan_kind):
 
 def _shard_checked(model, name, plan_kind):
     """`shard` with the plan kind; for the models "auto" splits only in part, check what it split."""
-    if name == "llama_mqa":  # its 1 key/value head cannot split: the attention stays whole, the MLPs split
-        with pytest.warns(UserWarning, match="2 attention module.* run replicated.*k_proj: its 1 heads"):
-            hp.shard(model, "auto")
+    if name == "llama_mqa":  # its 1 key/value head cannot split: k/v replicated (Megatron), q/o and the MLPs split
+        hp.shard(model, "auto")
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        assert all(p.dist_layout.is_replicate for p in attn.parameters())
+        assert attn.k_proj.weight.dist_layout.is_replicate and attn.v_proj.weight.dist_layout.is_replicate
+        assert attn.q_proj.weight.placements == (Shard(0),) and attn.o_proj.weight.placements == (Shard(1),)
+        assert "k_proj/v_proj replicated" in hp.summary(model)
         assert mlp.up_proj.weight.placements == (Shard(0),) and mlp.down_proj.weight.placements == (Shard(1),)
         return model
     model = hp.shard(model, "auto" if plan_kind == "auto" else _llama_plan(moe="moe" in name))
@@ -425,10 +426,15 @@ def test_indivisible_heads():
         hp.shard(model, dict(model.tp_plan), hp.Layout((4,), ("tp",)))
     with pytest.raises(ValueError, match="k_proj: its 2 heads .* over 4 ranks"):
         hp.shard(_llama(), _llama_plan(), hp.Layout((4,), ("tp",)))
-    with pytest.warns(UserWarning, match="attention module.* run replicated.*k_proj: its 2 heads .* over 4 ranks"):
-        model = hp.shard(_llama(), "auto", hp.Layout((4,), ("tp",)))
-    assert all(p.dist_layout.is_replicate for p in model.model.layers[1].self_attn.parameters())
+    model = hp.shard(_llama(), "auto", hp.Layout((4,), ("tp",)))   # 4 query heads, 2 key/value heads
+    attn = model.model.layers[1].self_attn
+    assert attn.k_proj.weight.dist_layout.is_replicate and attn.v_proj.weight.dist_layout.is_replicate
+    assert attn.q_proj.weight.placements == (Shard(0),) and attn.o_proj.weight.placements == (Shard(1),)
     assert model.model.layers[1].mlp.gate_proj.weight.placements == (Shard(0),)
+    with pytest.warns(UserWarning, match="attention module.* run replicated.*q_proj: its 6 heads .* over 4 ranks"):
+        model = hp.shard(_llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), "auto",
+                         hp.Layout((4,), ("tp",)))
+    assert all(p.dist_layout.is_replicate for p in model.model.layers[1].self_attn.parameters())
 
 
 def test_per_head_gate_splits_whole_heads():
@@ -451,9 +457,10 @@ def test_per_head_gate_splits_whole_heads():
 
 
 def test_auto_plan_heads_property():
-    """Random head counts and tensor-parallel sizes: "auto" splits an attention module's projections only where
-    its attention and key/value heads both divide, else none of them (and says so); a written plan is refused
-    exactly then; the MLPs split either way."""
+    """Random head counts and tensor-parallel sizes: "auto" splits an attention module's projections where its
+    attention and key/value heads both divide; where only the query heads divide, q and o split and k / v stay
+    replicated (Megatron); else none of them (and says so); a written plan is refused unless both divide; the
+    MLPs split either way."""
     from hypothesis import given, settings, strategies as st
     from hyper_parallel.parallel.shard.api import _resolve
 
@@ -473,9 +480,11 @@ def test_auto_plan_heads_property():
         for i in range(2):
             attn = [n for n, _ in model.named_parameters() if n.startswith(f"model.layers.{i}.self_attn.")]
             planned = [n for n in attn if n in res.params]
-            assert planned == (attn if divides else []), (heads, kv, tp, planned)
+            q_only = [n for n in attn if "k_proj" not in n and "v_proj" not in n]
+            want = attn if divides else q_only if heads % tp == 0 else []
+            assert planned == want, (heads, kv, tp, planned)
             assert f"model.layers.{i}.mlp.down_proj.weight" in res.params
-        assert bool(said) == (not divides)
+        assert bool(said) == (heads % tp != 0)
         if divides:
             _resolve(model, dict(model.tp_plan), mesh, mesh)
         else:

@@ -300,8 +300,10 @@ def warnings_and_refusals(rank, world):
     from hyper_parallel.tools.models import build_model
     with pytest.warns(UserWarning, match="left every parameter .* unsharded"):
         hp.hsdp(tiny("llama"))  # default threshold (64 KB) on a tiny model
-    with pytest.warns(UserWarning, match="only the embedding and the head"):
-        hp.shard(build_model("qwen3_vl").model, "auto")
+    with warnings.catch_warnings():  # its tp_plan names only the embedding and the head: structure fills the layers
+        warnings.simplefilter("error")
+        vl = hp.shard(build_model("qwen3_vl").model, "auto")
+    assert vl.model.language_model.layers[0].mlp.up_proj.weight.dist_layout.sharded_axes
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = hp.shard(tiny("qwen3"), "auto")  # splits the layers: no warning

@@ -44,7 +44,9 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     if settings.parts == 1:  # one rank holds the whole sequence: the model's own attention is exact
         record_applied(model, f"cp: axis {axis!r} of size 1, the sequence is not split")
         return model
-    model.config._attn_implementation = register_attention(settings)
+    # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
+    # and runs as on one device
+    config._attn_implementation = register_attention(settings)
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings))
     model.base_model.register_forward_hook(functools.partial(_plain_order_outputs, settings))
     record_applied(model, f"cp: sequence split over {axis!r} ({settings.parts} ranks, {method}, "

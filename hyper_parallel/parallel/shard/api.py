@@ -9,6 +9,7 @@ the module's output hook reduces once. Reading order: `shard` -> `_resolve` -> `
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from typing import Any, Mapping
 
@@ -26,6 +27,7 @@ from ..surgery import (bind_save_pretrained, distribute_parameter, lay_out_param
                        refuse_foreign_dtensors, replicated_elsewhere, local_experts)
 from .plan import (Boundary, Resolved, ShardingPlan, auto_plan, check_heads, replicate_below,
                    resolve_sharding_plan, resolve_styles, tp_size)
+from .structure import structure_plan
 
 
 def shard(model: nn.Module, plan: Any, mesh: DeviceMesh | Layout | None = None, *,
@@ -76,8 +78,13 @@ def _report(model: nn.Module, plan: Any, mesh: DeviceMesh) -> None:
     split = [n for n, p in params.items() if isinstance(p, DTensor) and p.dist_layout.sharded_axes]
     axes = "x".join(f"{a!r}" for a in mesh.mesh_dim_names)
     ways = tp_size(mesh) if TP in mesh.mesh_dim_names else mesh.size()
+    found = model.__dict__.pop("_hp_structure_entries", 0)
+    by_structure = f" (+{found} module entries found by structure)" if found else ""
+    notes = list(dict.fromkeys(re.sub(r"\.\d+(?=\.|:)", ".*", n) for n in model.__dict__.get("_hp_tp_notes", [])))
+    kept = f"; kept replicated: {'; '.join(notes)}" if notes else ""
     record_applied(model, f"tp: {len(split)} of {len(params)} parameters split over {axes} "
-                          f"({ways}-way), plan {plan if isinstance(plan, str) else type(plan).__name__}")
+                          f"({ways}-way), plan {plan if isinstance(plan, str) else type(plan).__name__}"
+                          f"{by_structure}{kept}")
     ends = set()
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, getter, lambda: None)() if hasattr(model, getter) else None
@@ -123,10 +130,20 @@ def _mesh_in_plan(plan):
 
 
 def _resolve(model: nn.Module, plan: Any, mesh: DeviceMesh, tp_mesh) -> Resolved:
+    notes: list[str] = []
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(f"shard: plan must be a ShardingPlan, a dict or 'auto', got {plan!r}")
         plan, strict = auto_plan(model), False
+        if tp_mesh is not None:
+            found = structure_plan(model, tp_size(tp_mesh), plan)
+            plan = {**found.styles, **plan}
+            notes += [f"{path or '<root>'}: {why}" for path, why in found.notes.items()]
+            model.__dict__["_hp_structure_entries"] = len(found.styles)
+        if not plan:
+            raise ValueError(f"plan='auto': {type(model).__name__} declares no tensor-parallel plan "
+                             f"(config.base_model_tp_plan / _tp_plan) and no module of it looks like an attention "
+                             f"or an MLP (q/k/v/o or up/down projections); pass a plan")
     else:
         strict = True
     if isinstance(plan, Mapping) and plan and all(isinstance(v, str) for v in plan.values()):
@@ -140,7 +157,8 @@ def _resolve(model: nn.Module, plan: Any, mesh: DeviceMesh, tp_mesh) -> Resolved
         res = resolve_sharding_plan(model, plan, mesh, tp_mesh)
     else:
         raise TypeError(f"shard: plan must be a ShardingPlan, a dict or 'auto', got {type(plan).__name__}")
-    check_heads(model, res, strict)
+    notes += check_heads(model, res, strict)
+    model.__dict__["_hp_tp_notes"] = notes
     return res
 
 

@@ -336,7 +336,7 @@ def sequence_parallel_plan(base: str = "model", head: str = "lm_head", attn: str
 
 
 def auto_plan(model: nn.Module) -> dict:
-    """The model's own tensor-parallel plan, with full paths."""
+    """The model's own tensor-parallel plan, with full paths (empty if it declares none)."""
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict) and plan:
         return dict(plan)
@@ -351,9 +351,6 @@ def auto_plan(model: nn.Module) -> dict:
     else:
         out.update(base)
     out.update(getattr(model, "_tp_plan", None) or {})
-    if not out:
-        raise ValueError(f"plan='auto': {type(model).__name__} declares no tensor-parallel plan "
-                         f"(config.base_model_tp_plan / _tp_plan); pass a plan")
     return out
 
 
@@ -421,16 +418,19 @@ def _heads_in(parent: nn.Module, size: int, head_dim: int) -> int | None:
     return size // head_dim if size % head_dim == 0 else None
 
 
-def check_heads(model: nn.Module, res: Resolved, strict: bool = True) -> None:
+def check_heads(model: nn.Module, res: Resolved, strict: bool = True) -> list[str]:
     """An attention projection must split whole heads (its parent module's `head_dim`): a split inside a
     head would make the model's (B, S, heads, head_dim) view move data on every call, or fail.
 
     A plan the user wrote (`strict`) is refused with an error naming the projection. The model's own plan
-    ("auto") is kept where it splits correctly: an attention module whose heads do not divide (e.g. one
-    key/value head over 2 ranks) runs replicated, every plan entry below it dropped, with a warning."""
+    ("auto") is kept where it splits correctly. Where only the key/value projections do not divide (fewer
+    key/value heads than ranks) and the query heads do, k and v are replicated and q / o stay split, as
+    Megatron does; an attention module whose query heads do not divide runs replicated, every plan entry
+    below it dropped, with a warning. Returns notes on what was replicated and why (for `summary`)."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    uneven: dict = {}   # attention module -> the message for its first projection that does not divide
+    uneven: dict = {}   # attention module -> {projection module: message} for those that do not divide
+    heads_of: dict = {}  # attention module -> the largest head count among its checked projections
     for m, full, dim, parts in res.head_checks:
         if parts <= 1:
             continue
@@ -440,21 +440,36 @@ def check_heads(model: nn.Module, res: Resolved, strict: bool = True) -> None:
         if not isinstance(head_dim, int) or head_dim <= 0:
             continue
         heads = _heads_in(parent, params[full].shape[dim], head_dim)
-        if heads is None or heads % parts == 0:
+        if heads is None:
+            continue
+        heads_of[owner] = max(heads_of.get(owner, 0), heads)
+        if heads % parts == 0:
             continue
         msg = (f"{m}: its {heads} heads (head_dim {head_dim}) cannot be split evenly over {parts} ranks "
                f"({full} dim {dim}, plan entry {res.sources.get(full)!r})")
         if strict:
             raise ValueError(f"{msg}; use a tensor-parallel size that divides the numbers of attention and "
                              f"key/value heads")
-        uneven.setdefault(owner, msg)
-    for owner in uneven:
-        replicate_below(res, owner)
-    if uneven:
-        names = list(uneven)
+        uneven.setdefault(owner, {}).setdefault(m, (heads, parts, msg))
+    notes, whole = [], {}
+    for owner, projections in uneven.items():
+        most = heads_of[owner]
+        if all(h < most for h, _, _ in projections.values()) and most % next(iter(projections.values()))[1] == 0:
+            for m in projections:      # the key/value projections only: replicated, q and o stay split
+                replicate_below(res, m)
+            h, parts, _ = next(iter(projections.values()))
+            notes.append(f"{owner}: {'/'.join(p.rpartition('.')[2] for p in projections)} replicated "
+                         f"({h} key/value heads < {parts} ranks; query heads split)")
+        else:
+            whole[owner] = next(iter(projections.values()))[2]
+            replicate_below(res, owner)
+            notes.append(f"{owner}: attention replicated ({whole[owner]})")
+    if whole:
+        names = list(whole)
         warnings.warn(f"shard(plan='auto'): {len(names)} attention module(s) run replicated on every rank "
                       f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), their heads not dividing over "
-                      f"the tensor-parallel ranks: {next(iter(uneven.values()))}", stacklevel=4)
+                      f"the tensor-parallel ranks: {next(iter(whole.values()))}", stacklevel=4)
+    return notes
 
 
 def replicate_below(res: Resolved, owner: str) -> None:
