@@ -112,3 +112,32 @@ def close_all() -> None:
     for p in _POOLS.values():
         p.close()
     _POOLS.clear()
+
+
+def assert_generate_and_step_equal(model, ref, inputs: dict, labels: dict, max_new_tokens: int, tol: dict):
+    """A parallel model against its single-process reference on the same global batch: `generate` gives the same
+    tokens, and one training step the same loss and, by name, the same gradient for every parameter (None where
+    the reference's is None). Returns the generated tokens and the parallel model's loss."""
+    import torch
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    with torch.no_grad():
+        want = ref.generate(**inputs, max_new_tokens=max_new_tokens)
+        got = full(model.generate(**inputs, max_new_tokens=max_new_tokens))
+    assert torch.equal(got, want), (got, want)
+    ref.train()
+    model.train()
+    loss_ref = ref(**inputs, **labels).loss
+    loss = model(**inputs, **labels).loss
+    torch.testing.assert_close(full(loss), loss_ref, **tol)
+    loss_ref.backward()
+    loss.backward()
+    named_ref = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        if named_ref[n].grad is None:
+            assert p.grad is None, f"{n}: a gradient where one process has none"
+            continue
+        torch.testing.assert_close(full(p.grad), named_ref[n].grad, **tol, msg=f"grad of {n}")
+    return got, loss

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hyper_parallel as hp
+from tests.harness import assert_generate_and_step_equal
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -34,22 +35,7 @@ def _tp_auto(rank, world, name):
     case = build_model(name)
     ref = case.model
     model = hp.shard(copy.deepcopy(ref), "auto")
-    with torch.no_grad():
-        want = ref.generate(**case.inputs, max_new_tokens=3)
-        got = _full(model.generate(**case.inputs, max_new_tokens=3))
-    assert torch.equal(got, want), (got, want)
-    ref.train()
-    model.train()
-    loss_ref = ref(**case.inputs, **case.labels).loss
-    loss = model(**case.inputs, **case.labels).loss
-    torch.testing.assert_close(_full(loss), loss_ref, **TOL)
-    loss_ref.backward()
-    loss.backward()
-    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
-        if r.grad is None:
-            assert p.grad is None, n
-            continue
-        torch.testing.assert_close(_full(p.grad), r.grad, **TOL, msg=f"grad of {n}")
+    assert_generate_and_step_equal(model, ref, case.inputs, case.labels, 3, TOL)
     held, whole = _layer_bytes(model)
     attn_held, attn_whole = _layer_bytes(model, "attn")
     return held / whole, attn_held / attn_whole, hp.summary(model)

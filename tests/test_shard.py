@@ -16,6 +16,7 @@ from torch import nn
 import hyper_parallel as hp
 from hyper_parallel import Replicate, Shard, ShardingPlan
 from hyper_parallel.parallel.shard.plan import sequence_parallel_plan
+from tests.harness import assert_generate_and_step_equal
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -289,18 +290,7 @@ def _qwen3_vl(rank, world):
                  layers + "mlp.down_proj": "rowwise"})
     model = hp.shard(copy.deepcopy(ref), plan)
     assert model.model.visual.blocks[0].attn.qkv.weight.dist_layout.is_replicate
-    with torch.no_grad():
-        want = ref.generate(**case.inputs, max_new_tokens=4)
-        got = _full(model.generate(**case.inputs, max_new_tokens=4))
-    assert torch.equal(got, want), (got, want)
-    ref.train()
-    model.train()
-    loss_ref = ref(**case.inputs, **case.labels).loss
-    loss = model(**case.inputs, **case.labels).loss
-    torch.testing.assert_close(_full(loss), loss_ref, **TOL)
-    loss_ref.backward()
-    loss.backward()
-    _assert_grads_match(model, ref)
+    got, _ = assert_generate_and_step_equal(model, ref, case.inputs, case.labels, 4, TOL)
     return got.tolist()
 
 
