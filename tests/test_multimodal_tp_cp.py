@@ -12,10 +12,6 @@ from tests.harness import assert_generate_and_step_equal
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, hp.DTensor) else t
-
-
 def _layer_bytes(model, part: str = "") -> tuple[int, int]:
     """(bytes this rank holds, bytes of the whole) of the decoder layers' attention + MLP parameters."""
     held = whole = 0
