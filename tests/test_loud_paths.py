@@ -91,10 +91,15 @@ def zero_counts_and_zero_rows(rank, world):
     return bad
 
 
+def _assert_no_failures_on_every_rank(pool, fn) -> None:
+    """Run `fn` (which returns this rank's list of differences from one device) on every rank of `pool`."""
+    bad = [b for found in pool.run(fn) for b in found]
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero_counts_and_zero_rows_follow_torch(world, dist2, dist4):
-    bad = [b for found in (dist2 if world == 2 else dist4).run(zero_counts_and_zero_rows) for b in found]
-    assert not bad, bad
+    _assert_no_failures_on_every_rank(dist2 if world == 2 else dist4, zero_counts_and_zero_rows)
 
 
 # ---- a pending sum through a product with infinities, zeros, signed zeros ---------------------------------
@@ -135,8 +140,7 @@ def pending_sum_times_non_finite(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pending_sum_times_non_finite_factor_is_never_nan(world, dist2, dist4):
-    bad = [b for found in (dist2 if world == 2 else dist4).run(pending_sum_times_non_finite) for b in found]
-    assert not bad, bad
+    _assert_no_failures_on_every_rank(dist2 if world == 2 else dist4, pending_sum_times_non_finite)
 
 
 # ---- empty pieces never reach a local op that rejects them; contiguity answers as one device -----------------
@@ -175,8 +179,7 @@ def view_as_complex_and_contiguity(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_view_as_complex_of_empty_pieces_and_contiguity(world, dist2, dist4):
-    bad = [b for found in (dist2 if world == 2 else dist4).run(view_as_complex_and_contiguity) for b in found]
-    assert not bad, bad
+    _assert_no_failures_on_every_rank(dist2 if world == 2 else dist4, view_as_complex_and_contiguity)
 
 
 # ---- from_pretrained on a bad config: a ValueError naming the field --------------------------------------
