@@ -128,7 +128,13 @@ def _optimizers_two_ranks(rank, world, cases):
             _check_against_plain(cls_name, mode, specs, _two_ranks, seed)
         assert spy.declined == [], (cls_name, mode, specs, spy.declined)
         split = any("tp" in m for _, m in specs)
-        assert bool(spy.taken) == (mode != "loop" and split), (cls_name, mode, specs, spy.taken)
+        # Split lists must run list-wise on the shards; the per-tensor loop never does. Lists of replicated
+        # tensors may take either no-decision path (some of those calls never reach __torch_function__,
+        # e.g. a list of (2,)-shaped ones but not of (1,)-shaped ones: torch runs them below it), both correct.
+        if mode == "loop":
+            assert spy.taken == [], (cls_name, mode, specs, spy.taken)
+        elif split:
+            assert spy.taken, (cls_name, mode, specs, spy.taken)
     return True
 
 
