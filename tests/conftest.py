@@ -1,6 +1,15 @@
+import os
+
 import pytest
+from hypothesis import settings
 
 from tests import harness
+
+# Property tests draw the same examples on every run unless asked otherwise (HP_PROPERTY_RANDOM=1, or
+# scripts/property_long.sh), so a CI run repeats what the last run checked; random exploration is opt-in.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("random")
+settings.load_profile("random" if os.environ.get("HP_PROPERTY_RANDOM") else "repeatable")
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,12 @@ def trainer_checkpoint_resume(rank, world, tmp, saved_by, resumed_by):
     return whole, resumed
 
 
+# Parameters after AdamW steps (lr 1e-2) against one device: AdamW divides each gradient entry by its own running
+# RMS, so an entry near zero turns a reduction-order difference of 1e-8 in the gradient into 1e-5 in the update
+# (1.1e-5 seen on tp=2). A dropped, doubled or misplaced gradient moves a parameter by about lr = 1e-2, 200x this.
+PARAM_TOL = 5e-5
+
+
 def _close(a: dict, b: dict, tol: float, what: str) -> None:
     assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
     for k in a:
@@ -87,7 +93,7 @@ def test_trainer_resumed_run_equals_uninterrupted(tmp_path, one_device, saved_by
     for whole, resumed in pool(2).run(trainer_checkpoint_resume, str(tmp_path), saved_by, resumed_by):
         _close(whole[0], losses, 1e-5, "uninterrupted loss vs one device")
         _close(whole[1], evals, 1e-5, "uninterrupted eval loss vs one device")
-        _close(whole[2], params, 1e-5, "uninterrupted parameters vs one device")
+        _close(whole[2], params, PARAM_TOL, "uninterrupted parameters vs one device")
         same = 0.0 if saved_by == resumed_by else 1e-5  # the same ranks and layout repeat the run exactly
         # steps 1-2 come from the checkpoint's trainer_state.json, steps 3-4 from the resumed run
         _close(resumed[0], whole[0], same, "resumed loss vs uninterrupted")
@@ -99,7 +105,7 @@ def test_trainer_resumed_run_equals_uninterrupted(tmp_path, one_device, saved_by
     from transformers import AutoModelForCausalLM
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / saved_by))  # save_model kept the checkpoints
     assert (tmp_path / saved_by / f"checkpoint-{STEPS}").is_dir()
-    _close(dict(saved.named_parameters()), params, 1e-5, "save_model's folder vs one device")
+    _close(dict(saved.named_parameters()), params, PARAM_TOL, "save_model's folder vs one device")
 
 
 def test_trainer_resumes_a_two_rank_checkpoint_in_one_process(tmp_path, one_device):
@@ -115,7 +121,7 @@ def test_trainer_resumes_a_two_rank_checkpoint_in_one_process(tmp_path, one_devi
                resume=str(tmp_path / "hsdp" / f"checkpoint-{SAVE_EVERY}"))
     _close(got[0], losses, 1e-5, "resumed loss vs one device")
     _close(got[1], evals, 1e-5, "resumed eval loss vs one device")
-    _close(got[2], params, 1e-5, "resumed parameters vs one device")
+    _close(got[2], params, PARAM_TOL, "resumed parameters vs one device")
 
 
 def best_model_at_end(rank, world, tmp):
@@ -131,7 +137,7 @@ def test_trainer_load_best_model_at_end(tmp_path):
     last = _run(Trainer, tiny("llama"), str(tmp_path / "last"), BATCH)[2]
     assert any(not torch.equal(want[2][n], last[n]) for n in last)  # the best is not the last step's model
     for got in pool(2).run(best_model_at_end, str(tmp_path / "hsdp")):
-        _close(got[2], want[2], 1e-5, "best model vs one device")
+        _close(got[2], want[2], PARAM_TOL, "best model vs one device")
 
 
 # ---- Trainer's mixed precision flags (autocast, as accelerate applies them) and TRL's SFTTrainer -------------
