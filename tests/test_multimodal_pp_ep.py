@@ -105,9 +105,11 @@ def build(kind: str, layers: int = 4, even_labels: bool = False):
     return model, dict(input_ids=ids, **inputs), labels
 
 
-def reference(kind: str):
-    """One plain process: the loss and every gradient of one step on the global batch."""
-    model, inputs, labels = build(kind)
+def reference(kind: str, even_labels: bool = False, names: tuple | None = None):
+    """One plain process: the loss and every gradient of one step on the global batch (only the inputs
+    `names`, if given)."""
+    model, inputs, labels = build(kind, even_labels=even_labels)
+    inputs = inputs if names is None else {k: inputs[k] for k in names}
     loss = model(**inputs, labels=labels).loss
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -183,20 +185,17 @@ _TEXT_INPUTS = ("input_ids", "attention_mask")
 
 
 def text_reference(kind: str, even_labels: bool = False):
-    model, inputs, labels = build(kind, even_labels=even_labels)
-    loss = model(**{k: inputs[k] for k in _TEXT_INPUTS}, labels=labels).loss
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return reference(kind, even_labels, _TEXT_INPUTS)
 
 
-def expert_step(rank, world, kind, shape, names, even_labels=False):
+def expert_step(rank, world, kind, shape, names, even_labels=False, media=False):
     """Worker: one training step of expert_parallel / parallelize on `names`, each data rank feeding its share
-    of the batch (text: the experts live in the language model); loss (mean over the global batch) and
-    gradients."""
+    of the batch: text only, or with `media` its samples' images (pixel rows and grids) and audio too; loss
+    (mean over the global batch) and gradients."""
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", shape, names)
     model, inputs, labels = build(kind, even_labels=even_labels)
-    inputs = {k: inputs[k] for k in _TEXT_INPUTS}
+    inputs = inputs if media else {k: inputs[k] for k in _TEXT_INPUTS}
     if names == ("ep",):
         hp.expert_parallel(model, mesh, "ep")
     else:
@@ -222,6 +221,22 @@ def test_dp2_ep2_parallelize_qwen3_vl_moe(dist4):
     """hsdp averages the dp replicas (each the mean over its share, as DDP): shares with equal valid tokens."""
     results = dist4.run(expert_step, "qwen3_vl_moe", (2, 2), ("dp", "ep"), True)
     check(results, "qwen3_vl_moe", lambda kind: text_reference(kind, even_labels=True))
+
+
+MOE_MODELS = ["qwen3_vl_moe", "qwen3_omni_thinker"]
+
+
+@pytest.mark.parametrize("kind", MOE_MODELS)
+def test_ep2_with_images_and_audio_fed_per_rank(dist2, kind):
+    """Each ep rank feeds its own samples' pixel rows and image grids (and audio features): the towers see
+    the global batch's images in the ranks' order, as one process does."""
+    check(dist2.run(expert_step, kind, (2,), ("ep",), False, True), kind)
+
+
+@pytest.mark.parametrize("kind", MOE_MODELS)
+def test_dp2_ep2_parallelize_with_images_and_audio(dist4, kind):
+    results = dist4.run(expert_step, kind, (2, 2), ("dp", "ep"), True, True)
+    check(results, kind, lambda kind: reference(kind, even_labels=True))
 
 
 def test_experts_it_cannot_spread_are_refused_by_name():

@@ -31,6 +31,13 @@ from .dispatch import dispatch_combine
 
 # model inputs that are never batch-major, whatever their length
 _NOT_BATCH = frozenset({"cache_position", "logits_to_keep"})
+# model inputs whose dim 0 counts the rank's images / videos / audio clips or their patch rows, not its samples
+# (Qwen-VL style: the patches of every image concatenated, prod(grid_thw) rows per image; one grid row or size
+# per image; Omni / Qwen2-Audio: one feature row per clip). They are this rank's share all the same: the global
+# batch's images are the ranks' images in the axis' order, as its samples are.
+PER_ITEM = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+                      "second_per_grid_ts", "image_sizes", "input_features", "feature_attention_mask",
+                      "audio_feature_lengths", "pixel_attention_mask", "image_attention_mask"})
 
 
 def expert_parallel(model: nn.Module, mesh: DeviceMesh, axis: str = "ep") -> nn.Module:
@@ -258,7 +265,11 @@ def _local_of(p: Tensor) -> Tensor:
 # ---- each rank's rows, a share of the batch over the axis ------------------------------------------------
 class BatchShares:
     """The input step of expert parallelism: each rank's plain batch-major inputs become its rows of one
-    DTensor batch split over `axis` (the global batch: the shares concatenated in the axis' order)."""
+    DTensor batch split over `axis` (the global batch: the shares concatenated in the axis' order). So do its
+    per-item inputs (`PER_ITEM`: its images' patch rows and grids, its audio clips' features), whose dim 0 is
+    not the batch: leaving them plain beside a batch-split `image_grid_thw` fed the vision tower this rank's
+    patches against every rank's grids. The feed check makes the ranks' shapes equal (one Shard(0) DTensor per
+    input), so ranks with different numbers of images or patch rows get the same FeedError everywhere."""
 
     name = "ep"
     may_refuse = True  # the shares' shapes change from step to step: compared on every forward
@@ -287,7 +298,7 @@ class BatchShares:
     def _share(self, name: str, x, batch: int):
         if not isinstance(x, Tensor) or isinstance(x, DTensor) or name in _NOT_BATCH:
             return x
-        if x.ndim == 0 or x.shape[0] != batch:
+        if x.ndim == 0 or (x.shape[0] != batch and name not in PER_ITEM):
             return x
         layout = _rows(self.mesh, self.axis, x.ndim)
-        return DTensor.from_local(x, layout, shape=(batch * self.ranks,) + tuple(x.shape[1:]))
+        return DTensor.from_local(x, layout, shape=(x.shape[0] * self.ranks,) + tuple(x.shape[1:]))
