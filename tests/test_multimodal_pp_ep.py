@@ -312,3 +312,34 @@ def test_structural_cutter_property(family, layers, n_stages, n_micro):
             assert p.grad is None, name
         else:
             torch.testing.assert_close(p.grad, grads[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+# ---- refusals on every rank ------------------------------------------------------------------------------
+def _failing_stage_step(rank, world, failing_layer):
+    """Worker: a pp=2 llama whose layer `failing_layer` raises in forward (on one rank only); the error each
+    rank gets."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (2,), ("pp",))
+    model = _family_model("llama", 4)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"layer {failing_layer} cannot take this")
+    model.model.layers[failing_layer].forward = fail
+    pipe = hp.pipeline(model, mesh, schedule="1f1b", n_microbatches=2)
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        pipe.step(ids, labels=ids)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("failing_layer, stage", [(3, 1), (0, 0)])
+def test_a_stage_that_fails_fails_on_every_rank(dist2, failing_layer, stage):
+    """A stage's forward that fails on its own rank (here a layer raising; in the census, layers whose loop a
+    stand-in could not satisfy) raises the same error on every pp rank, naming the stage, instead of leaving
+    the other ranks waiting for its activations until a timeout."""
+    errors = dist2.run(_failing_stage_step, failing_layer)
+    assert errors[0] == errors[1], errors
+    assert f"stage {stage} (on pp rank {stage}) refused this micro-batch" in errors[0], errors
+    assert f"layer {failing_layer} cannot take this" in errors[0], errors

@@ -407,22 +407,39 @@ class Pipeline:
         return self._schedule(shapes, train)
 
     def _probe(self, input_ids: torch.Tensor, inputs: dict):
-        """The first stage's CarrySpec on every pp rank; a refusal there (what it cannot carry) is raised on
-        every rank alike."""
-        spec = None
-        if self._has_first():
-            self._carry.pop("spec", None)
-            micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
-            first = next(view for view, s in zip(self.stages, self.specs) if s.first)
-            try:
-                with torch.no_grad():
-                    first(micro["input_ids"], **micro)
-                spec = self._carry["spec"]
-            except ValueError as e:
-                spec = f"{type(e).__name__}: {e}"
-        spec = collectives.broadcast_object(spec, dist.get_global_rank(self.group, self._first_owner), self.group)
-        if isinstance(spec, str):
-            raise ValueError(f"{spec} (raised by the first stage, on pp rank {self._first_owner})")
+        """The first stage's CarrySpec on every pp rank, from a dry run of every stage in order on the first
+        micro-batch (no gradients), each stage's output broadcast over the pp group to the next.
+
+        Why every stage and not the first only: a stage that fails inside torch's schedule (a layer stand-in
+        its model's loop cannot take, a carried input it cannot use) fails on its own rank while the others
+        wait for its activations, and they see a timeout instead of its error. Here every rank is inside the
+        same broadcast when a stage fails, so every rank raises that stage's error, naming it (API §11).
+        Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
+        micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
+        views = {s.index: view for view, s in zip(self.stages, self.specs)}
+        n_stages = self.specs[0].n_stages
+        style = SCHEDULES[self.schedule_name][1]
+        self._carry.pop("spec", None)
+        spec, received = None, (micro["input_ids"],)
+        for index in range(n_stages):
+            owner = stage_rank(index, self.pp, style)
+            result = None
+            if index in views:
+                try:
+                    with torch.no_grad():
+                        out = views[index](*received, **micro)
+                    if index == 0:
+                        spec = self._carry["spec"]
+                    result = ("ok", spec, None if index == n_stages - 1 else tuple(out))
+                except Exception as e:   # every kind: the other ranks must hear of it, not wait
+                    result = ("error", f"{type(e).__name__}: {e}", index)
+            result = collectives.broadcast_object(result, dist.get_global_rank(self.group, owner), self.group)
+            if result[0] == "error":
+                self._carry.pop("spec", None)
+                raise ValueError(f"pipeline: stage {result[2]} (on pp rank {owner}) refused this micro-batch: "
+                                 f"{result[1]}")
+            _, spec, received = result
+            self._carry["spec"] = spec
         return spec
 
     def _schedule(self, batch_shape: tuple, train: bool):

@@ -26,6 +26,8 @@ mask, position ids given by the caller) need no carrying.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -301,10 +303,16 @@ def _hidden_arg(args: tuple, kwargs: dict):
 
 
 class _Skip(nn.Module):
-    """A layer of an earlier stage: passes its input on (the stage's first own layer replaces it)."""
+    """A layer of an earlier stage: passes its input on (the stage's first own layer replaces it), in the form
+    the real layers return (`CarrySpec.layer_output`): a loop that unpacks `hidden, weights = layer(...)`
+    (Bamba, XLNet, Zaya) gets a tuple of as many entries, the hidden state first, None after."""
 
     def forward(self, *args, **kwargs):
-        return _hidden_arg(args, kwargs)
+        hidden = _hidden_arg(args, kwargs)
+        state = self.__dict__.get("_hp_state")
+        spec = state.carry.get("spec") if state is not None else None
+        n = spec.layer_output if spec is not None else 0
+        return hidden if n == 0 else (hidden,) + (None,) * (n - 1)
 
 
 class _Exit(_Skip):
@@ -361,6 +369,7 @@ class CarrySpec:
     and the constants handed to the decoder stack."""
     entries: tuple = ()
     constants: tuple = ()
+    layer_output: int = 0   # what a decoder layer returns: 0 a tensor, n a tuple of n (the stand-ins mimic it)
 
 
 @dataclass
@@ -374,6 +383,7 @@ class StageState:
     inject: dict | None = None
     pending: Any = None
     layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
+    layer_output: int = 0              # the form of a real layer's output, seen on the first stage
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -400,6 +410,10 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         stand_in = _Exit if i == spec.layers.stop else _Skip if i < spec.layers.start else None
         layers._modules[key] = stand_in and _stand_in(stand_in, attributes[i])
     state = StageState(structure, spec, type(model).forward, carry)
+    for i in range(spec.layers.start):
+        layers._modules[str(i)].__dict__["_hp_state"] = state
+    if spec.first:
+        original_layers[spec.layers.start].register_forward_hook(_output_form_hook(state))
     if spec.layers.stop < len(layers._modules):
         layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
@@ -429,6 +443,13 @@ def _decoder_hook(state: StageState):
             kwargs = {**kwargs, **state.inject}
             return args, kwargs
         return None
+    return hook
+
+
+def _output_form_hook(state: StageState):
+    """The first stage's first layer's forward hook: note the form of a real layer's output."""
+    def hook(module, args, output):
+        state.layer_output = len(output) if isinstance(output, tuple) else 0
     return hook
 
 
@@ -508,6 +529,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         return _leave(logits)
     if spec.first:
         carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {})
+        carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output)
         known = state.carry.setdefault("spec", carry_spec)
         if known != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
