@@ -188,10 +188,11 @@ def text_reference(kind: str, even_labels: bool = False):
     return reference(kind, even_labels, _TEXT_INPUTS)
 
 
-def expert_step(rank, world, kind, shape, names, even_labels=False, media=False):
-    """Worker: one training step of expert_parallel / parallelize on `names`, each data rank feeding its share
-    of the batch: text only, or with `media` its samples' images (pixel rows and grids) and audio too; loss
-    (mean over the global batch) and gradients."""
+def expert_step(rank, world, kind, shape, names, even_labels=False, media=False, hsdp=None):
+    """Worker: one training step of expert_parallel (names ("ep",)) / parallelize on `names` (hsdp: its
+    arguments, {"threshold": 0} by default on a "dp" axis), each data rank feeding its share of the batch: text
+    only, or with `media` its samples' images (pixel rows and grids) and audio too; loss (mean over the global
+    batch) and gradients."""
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", shape, names)
     model, inputs, labels = build(kind, even_labels=even_labels)
@@ -199,8 +200,9 @@ def expert_step(rank, world, kind, shape, names, even_labels=False, media=False)
     if names == ("ep",):
         hp.expert_parallel(model, mesh, "ep")
     else:
-        hp.parallelize(model, mesh, hsdp={"threshold": 0} if "dp" in names else None)
-    assert any("ep:" in a and "experts modules" in a for a in model._hp_applied), model._hp_applied
+        hp.parallelize(model, mesh, hsdp=(hsdp or {"threshold": 0}) if "dp" in names else None)
+    if "ep" in names:
+        assert any("ep:" in a and "experts modules" in a for a in model._hp_applied), model._hp_applied
     inputs, labels = _share(mesh, inputs, labels)
     loss = model(**inputs, labels=labels).loss
     loss.backward()
