@@ -46,3 +46,11 @@ def test_dp2_tp2_parallelize_qwen3_vl_with_image(dist4):
 def test_tp2_ep2_parallelize_with_image(dist4, kind):
     results = dist4.run(expert_step, kind, (2, 2), ("tp", "ep"), False, True)
     check(results, kind)
+
+
+def test_pp2_tp2_qwen3_vl_with_image(dist4):
+    """pipeline(..., tp="auto") on a ("pp", "tp") mesh: each stage's layers split over tp, the vision tower on
+    the first stage, the image's deepstack features carried across the boundary."""
+    from tests.test_multimodal_pp_ep import pipelined_step
+    kwargs = dict(schedule="1f1b", n_microbatches=2, tp="auto")
+    check(dist4.run(pipelined_step, "qwen3_vl", (2, 2), ("pp", "tp"), kwargs), "qwen3_vl")
