@@ -107,3 +107,12 @@ def test_a_type_whose_process_dies_mid_run_is_never_ok():
     census_types._drain(job)
     result = census_types._finish_job(job, timed_out=False)
     assert result.status != "ok" and "died after 1 run" in result.why, (result.status, result.why)
+
+
+def test_stage_widths_and_their_neck_are_scaled_together():
+    """SAM 2's Hiera widths per stage and the neck's channel list (another sub-config) keep agreeing."""
+    d = shrink_config_dict({"backbone_config": {"hidden_size": 96, "embed_dim_per_stage": [96, 192, 384, 768]},
+                            "backbone_channel_list": [768, 384, 192, 96], "fpn_hidden_size": 256})
+    assert d["backbone_config"]["embed_dim_per_stage"] == [64, 128, 256, 512]
+    assert d["backbone_channel_list"] == [512, 256, 128, 64] and d["fpn_hidden_size"] == 64
+    assert d["backbone_config"]["hidden_size"] == 64
