@@ -418,6 +418,11 @@ def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> 
             if not _fails(model, *tried):
                 inputs, labels = tried
                 break
+            # an encoder with image placeholders in its text (ModernVBERT's masked LM): as many as it made features
+            fixed = _with_feature_count(model, cfg, head, seed, batch, tried[0], _plain_forward_error(model, tried[0]))
+            if fixed is not None:
+                inputs, labels = fixed
+                break
     note = ""
     if labels:
         was = model.training
