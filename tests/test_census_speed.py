@@ -76,3 +76,43 @@ def test_unset_forecast_horizon_is_filled_so_time_series_types_build():
     assert shrink_config_dict({"prediction_length": None})["prediction_length"] == PREDICTION
     assert shrink_config_dict({"prediction_length": 24})["prediction_length"] == 24  # a set horizon stays
     assert tiny_config("autoformer").prediction_length == PREDICTION
+
+
+def test_cost_keys_are_shrunk_where_they_multiply_the_model():
+    """A Perceiver's latent array, an audio codec's base channels and a hashed byte vocabulary follow from no
+    other key; at their defaults one tiny type held 10 GB (perceiver) or 6 GB (vibevoice_acoustic_tokenizer)."""
+    d = shrink_config_dict({"num_latents": 256, "d_latents": 1280, "num_self_attends_per_block": 26,
+                            "num_filters": 32, "emb_dim": 2048, "encoder_hash_byte_group_vocab": 500002})
+    assert d == {"num_latents": 16, "d_latents": 64, "num_self_attends_per_block": 2, "num_filters": 8,
+                 "emb_dim": 64, "encoder_hash_byte_group_vocab": 256}
+    assert tiny_config("vibevoice_acoustic_tokenizer").num_filters == 8
+
+
+def _die_after_one_run(conn):
+    conn.send(("built", "base", (["text"], "")))
+    conn.send(("run", "generate", {"model": "t", "mode": "generate", "equal": True, "plain_ok": True}))
+    conn.close()
+    import os
+    os._exit(0)  # no "done": as when the out-of-memory killer takes the process mid-run
+
+
+def test_a_type_whose_process_dies_mid_run_is_never_ok():
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_die_after_one_run, args=(send,), daemon=True)
+    p.start()
+    send.close()
+    job = census_types._Job(census_types.TypeResult("t"), [p], recv, time.perf_counter())
+    p.join(10)
+    census_types._drain(job)
+    result = census_types._finish_job(job, timed_out=False)
+    assert result.status != "ok" and "died after 1 run" in result.why, (result.status, result.why)
+
+
+def test_stage_widths_and_their_neck_are_scaled_together():
+    """SAM 2's Hiera widths per stage and the neck's channel list (another sub-config) keep agreeing."""
+    d = shrink_config_dict({"backbone_config": {"hidden_size": 96, "embed_dim_per_stage": [96, 192, 384, 768]},
+                            "backbone_channel_list": [768, 384, 192, 96], "fpn_hidden_size": 256})
+    assert d["backbone_config"]["embed_dim_per_stage"] == [64, 128, 256, 512]
+    assert d["backbone_channel_list"] == [512, 256, 128, 64] and d["fpn_hidden_size"] == 64
+    assert d["backbone_config"]["hidden_size"] == 64

@@ -24,12 +24,14 @@ LAYERS = 2
 PREDICTION = 4  # time steps a tiny forecaster predicts where its config leaves the horizon unset
 
 _LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-               "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers"}
+               "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks", "text_layers", "vision_layers",
+               "num_self_attends_per_block"}
 _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim", "projection_dim",
                 "out_hidden_size", "output_dim", "hidden_dim", "model_dim", "embedding_size", "proj_dim",
                 "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
                 "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
-                "pooler_output_size", "codebook_dim"}
+                "pooler_output_size", "codebook_dim", "emb_dim", "d_latents", "hidden_size_global",
+                "fpn_hidden_size"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
@@ -57,6 +59,13 @@ _RANK_KEYS = {"q_lora_rank", "kv_lora_rank"}
 _SIDE_HEAD_KEYS = {"index_n_heads", "linear_num_heads"}
 _SIDE_HEAD_DIM_KEYS = {"index_head_dim", "linear_head_dim"}
 RANK = 32
+# sizes that multiply the whole model's cost and follow from no other key: a Perceiver's latent array (256 x 1280 by
+# default: 10 GB resident for one tiny type), an audio codec's base channel count (VibeVoice doubles 32 over six
+# stages to 2048 channels and a 4x wider feed-forward: 6 GB), a byte model's hash vocabulary (500,002 rows)
+# a hierarchical backbone's width per stage (SAM 2's Hiera: 96 doubling to 768) and the neck that reads them, in
+# another sub-config: both scaled by the same rule (narrowest stage = HIDDEN, its hidden_size), so they still agree
+_STAGE_WIDTH_KEYS = {"embed_dim_per_stage", "backbone_channel_list"}
+_COST_KEYS = {"num_latents": 16, "num_filters": 8, "encoder_hash_byte_group_vocab": VOCAB}
 _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
              "max_source_positions", "max_target_positions", "seq_length"}
 
@@ -110,6 +119,11 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             d[key] = _small(value, HEADS_N)
         elif key == "depths" and isinstance(value, list):  # blocks per stage
             d[key] = [_small(v, LAYERS) for v in value]
+        elif key in _STAGE_WIDTH_KEYS and isinstance(value, list) and value and all(
+                isinstance(v, int) and v > 0 for v in value):  # widths per stage: scaled so the narrowest is HIDDEN
+            d[key] = [max(1, v * HIDDEN // min(value)) for v in value] if min(value) > HIDDEN else value
+        elif key in _COST_KEYS:
+            d[key] = _small(value, _COST_KEYS[key])
         elif key in _QUERY_KEYS:
             d[key] = _small(value, _QUERY_KEYS[key])
         elif key in _HEAD_DIM_KEYS:

@@ -37,6 +37,7 @@ class TypeResult:
     runs: list = field(default_factory=list)   # RunReport
     seconds: float = 0.0
     cpu_seconds: float | None = None           # CPU time of the type's process (the slowest rank's), from /proc
+    rss_mb: float | None = None                # the peak resident memory of its rank 0 (MiB): what crowds a machine
     timed_out: bool = False
     skipped: str | None = None                 # why the type was not run (e.g. no tp plan for --tp)
     fed: list = field(default_factory=list)    # the modalities its inputs feed (text, image, video, audio)
@@ -89,6 +90,13 @@ class TypeResult:
         return "ok"
 
     @property
+    def conditioning(self) -> str:
+        """For a type judged against its own float32 vs float64 gap (see census.CONDITIONING_FACTOR): what the
+        runs measured; empty where the fixed tolerances decided."""
+        return "; ".join(f"{r.mode}: {r.detail.split('; ', 1)[-1]}" for r in self.runs
+                         if getattr(r, "conditioning", None) is not None)
+
+    @property
     def why(self) -> str:
         """The one line that says what went wrong (empty when ok), or why a scenario does not apply."""
         if self.skipped:
@@ -119,6 +127,7 @@ class TypeResult:
         return cls(model_type, head=d.get("head", ""), built=bool(d.get("built")),
                    build_error=(d.get("why") or "the type was not built") if status == "not built" else None,
                    runs=runs, seconds=float(d.get("seconds") or 0.0), cpu_seconds=d.get("cpu_seconds"),
+                   rss_mb=d.get("rss_mb"),
                    timed_out=status == "timeout",
                    skipped=status if status in SKIPS else None, fed=list(d.get("fed") or []),
                    note=d.get("note") or "")
@@ -127,7 +136,8 @@ class TypeResult:
         return {"head": self.head, "fed": self.fed, "note": self.note, "built": self.built, "plain_ok": self.plain_ok, "status": self.status,
                 "ops": dict(sorted(self.ops.items())), "missing": dict(sorted(self.missing.items())),
                 "equal": self.equal, "seconds": round(self.seconds, 2),
-                "cpu_seconds": None if self.cpu_seconds is None else round(self.cpu_seconds, 2), "why": self.why,
+                "cpu_seconds": None if self.cpu_seconds is None else round(self.cpu_seconds, 2),
+                "rss_mb": None if self.rss_mb is None else round(self.rss_mb), "why": self.why,
                 "runs": {r.mode: {k: v for k, v in asdict(r).items() if k not in ("model", "mode")}
                          for r in self.runs}}
 
@@ -161,6 +171,7 @@ class TypeCensus:
             statuses[r.status] = statuses.get(r.status, 0) + 1
         cpu = [r.cpu_seconds for r in self.results if r.cpu_seconds is not None]
         return {"scenario": self.scenario, "types": len(self.results), "plain_ok": len(counted), "ok": len(ok),
+                "ok_by_conditioning": sum(bool(r.conditioning) for r in ok),
                 "ok_share": round(len(ok) / len(counted), 4) if counted else None,
                 "statuses": statuses, "heads": self.by_head(), "seconds": round(self.seconds, 1),
                 "cpu_seconds": round(sum(cpu), 1)}
@@ -242,7 +253,8 @@ class TypeCensus:
                _ABOUT + (_SCENARIO_ABOUT.get(kind, "")), "",
                f"- scenario: {s['scenario']}", f"- types: {s['types']}",
                f"- plain run works: {s['plain_ok']}",
-               f"- 0 missing ops and equal results: {s['ok']} ({share} of those)",
+               f"- 0 missing ops and equal results: {s['ok']} ({share} of those; {s['ok_by_conditioning']} of them "
+               f"equal within their own fp32-vs-float64 gap, noted in `why`)",
                "- statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(s["statuses"].items())),
                f"- wall time: {self.seconds:.0f}s (CPU {s['cpu_seconds']:.0f}s)", "",
                "## Per head", "", "| head | types | plain run works | ok | not applicable |", "|---|---|---|---|---|"]
@@ -260,7 +272,7 @@ class TypeCensus:
             if r.skipped:
                 continue
             eq = "-" if r.equal is None else ("yes" if r.equal else "no")
-            why = _cell(r.why or r.note)
+            why = _cell(r.why or "; ".join(filter(None, (r.note, r.conditioning))))
             out.append(f"| {r.model_type} | {r.head} | {' '.join(r.fed)} | {r.status} | {len(r.ops)} | "
                        f"{len(r.missing)} | {eq} | {r.seconds:.1f} | {why} |")
         out.append("")
@@ -309,7 +321,9 @@ _ABOUT = ("Every model type transformers has a model class for, built tiny from 
           "its outputs' mean squares), plain and with DTensor inputs and parameters; `equal` compares tokens, "
           "every output, the loss and the gradients with the plain run, and the parameters after AdamW with a "
           "plain AdamW step on the run's own gradients (floats within 1e-5 of their magnitude above 1, gradients "
-          "within 1e-4: sums taken in another order). A type whose plain run fails is not counted (listed with "
+          "within 1e-4: sums taken in another order; a type whose comparison fails that is measured once more "
+          "against its own conditioning, the plain run in float64 against float32, and is equal if the DTensor "
+          "run differs by at most twice that gap, the fp32 rounding the model already has). A type whose plain run fails is not counted (listed with "
           "its error at the end).")
 _SCENARIO_ABOUT = {
     "plain": " This page is the plain run alone (`--plain`): it checks the tiny configs and inputs.",
@@ -376,7 +390,7 @@ def _type_child(model_type: str, modes: tuple, max_new_tokens: int, seed: int, r
     finally:
         if rank == 0:
             use = resource.getrusage(resource.RUSAGE_SELF)
-            conn.send(("done", use.ru_utime + use.ru_stime, None))
+            conn.send(("done", use.ru_utime + use.ru_stime, use.ru_maxrss / 1024))  # ru_maxrss: KiB on Linux
         conn.close()
         if world > 1:
             import torch.distributed as dist
@@ -392,6 +406,7 @@ class _Job:
     start: float
     cpu: float | None = None  # the slowest rank's CPU seconds, as last read
     progressed: float = 0.0   # when they last grew
+    done: bool = False        # rank 0 said it finished (its "done" message came)
 
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -468,7 +483,7 @@ def _drain(job: _Job) -> bool:
             elif kind == "run":
                 job.result.runs.append(RunReport(**b))
             elif kind == "done":
-                job.result.cpu_seconds = a
+                job.result.cpu_seconds, job.result.rss_mb, job.done = a, b, True
                 return True
     except (EOFError, OSError):
         return True
@@ -485,9 +500,16 @@ def _finish_job(job: _Job, timed_out: bool) -> TypeResult:
     job.result.timed_out = timed_out
     if job.result.cpu_seconds is None:
         job.result.cpu_seconds = job.cpu
+    codes = [p.exitcode for p in job.procs]
     if not timed_out and not job.result.built and not job.result.build_error:
-        codes = [p.exitcode for p in job.procs]
         job.result.build_error = f"the type's process died (exit codes {codes})"
+    elif not timed_out and job.result.built and not job.done and not job.result.skipped:
+        # killed mid-run (the kernel's OOM killer: exit code -9): the runs that did not report are a failure,
+        # never an "ok" made of the modes that finished first
+        died = RunReport(job.result.model_type, "died", equal=False,
+                         error=f"the type's process died after {len(job.result.runs)} run(s) (exit codes {codes}; "
+                               f"-9 is SIGKILL, e.g. the out-of-memory killer)")
+        job.result.runs.append(died)
     return job.result
 
 
@@ -557,6 +579,7 @@ def run_type_census(types: Iterable[str], mode: str = "all", *, jobs: int = 1, d
             progress(f"[{len(done)}/{len(names)}] {r.model_type}: {r.status}, {len(r.ops)} ops, "
                      f"{len(r.missing)} missing, equal={r.equal}, {r.seconds:.1f}s"
                      + (f" ({r.cpu_seconds:.1f}s CPU)" if r.cpu_seconds is not None else "")
+                     + (f" ({r.rss_mb:.0f} MiB)" if r.rss_mb is not None else "")
                      + (f" ({r.why[:160]})" if r.why else ""))
 
     while pending or running:

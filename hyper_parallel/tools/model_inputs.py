@@ -202,7 +202,10 @@ VARIANTS = (
 # where the config does not say how a modality is laid out, the layouts tried in turn (see fitting_inputs):
 # spectrogram frames last or first, a waveform with a channel dim, images grouped per sample (Idefics3's
 # (batch, images, channels, height, width))
-LAYOUTS = ({}, {"audio_time_first": True}, {"wave_channels": 1}, {"images_per_sample": True})
+# the last: no mask over the audio (an encoder that hands its attention_mask to attention as it comes takes the
+# processor's 4-D float mask, which the census cannot guess; all-ones masks nothing anyway)
+LAYOUTS = ({}, {"audio_time_first": True}, {"wave_channels": 1}, {"images_per_sample": True},
+           {"no_audio_mask": True})
 
 
 def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
@@ -274,7 +277,8 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
     elif "audio" in feed and "input_values" in params:
         inputs.update(_audio_values(cfg, gen, batch, layout.get("wave_channels")))
-    if "attention_mask" in params and "input_ids" not in params:  # a mask over the audio's samples / frames
+    if "attention_mask" in params and "input_ids" not in params and not layout.get("no_audio_mask"):
+        # a mask over the audio's samples / frames
         wave, features = inputs.get("input_values"), inputs.get("input_features")
         if wave is not None and wave.ndim == 2:
             inputs["attention_mask"] = torch.ones(wave.shape, dtype=torch.long)
@@ -413,6 +417,11 @@ def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> 
             tried = make_inputs(model, cfg, head, seed, batch, layout=layout)
             if not _fails(model, *tried):
                 inputs, labels = tried
+                break
+            # an encoder with image placeholders in its text (ModernVBERT's masked LM): as many as it made features
+            fixed = _with_feature_count(model, cfg, head, seed, batch, tried[0], _plain_forward_error(model, tried[0]))
+            if fixed is not None:
+                inputs, labels = fixed
                 break
     note = ""
     if labels:
