@@ -34,6 +34,9 @@ AXES = ("pp", "dp", "ep", "tp", "cp")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 LEVELS = ("level1", "level2", "level3")
 RECOMPUTE = ("none", "full")
+PP_NOT_YET = ("a mesh with pp > 1 cannot be planned yet: torch.distributed.pipelining's schedule does not run on "
+              "meta tensors (its P2P warm-up vote reads a value with .item()); plan the mesh without pp, i.e. one "
+              "stage's ranks, with --set num_hidden_layers=<layers per stage>")
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes")
 
 
@@ -81,6 +84,18 @@ def _value(text: str) -> Any:
         return text
 
 
+def _config_keys(config) -> set:
+    """The keys a config class takes: its attributes and its constructor's arguments (some, like head_dim,
+    are attributes only once given)."""
+    import inspect
+    keys = set(config.to_dict())
+    for cls in type(config).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            keys |= set(inspect.signature(init).parameters) - {"self", "kwargs"}
+    return keys
+
+
 def apply_overrides(config, overrides: Mapping[str, Any] | list | None):
     """`key=value` (or a dict) onto `config` before the model is built; `text_config.x` sets a sub-config's key.
     A key the config does not have is a ValueError (a typo would otherwise plan the default)."""
@@ -95,16 +110,17 @@ def apply_overrides(config, overrides: Mapping[str, Any] | list | None):
             pairs[key.strip()] = _value(value.strip())
         overrides = pairs
     for key, value in overrides.items():
-        target, *path = key.split(".")
-        obj, name = config, key
+        obj = config
         parts = key.split(".")
         for part in parts[:-1]:
             obj = getattr(obj, part, None)
             if obj is None:
                 raise ValueError(f"--set {key}: the config has no sub-config {part!r}")
         name = parts[-1]
-        if not hasattr(obj, name):
-            raise ValueError(f"--set {key}: {type(obj).__name__} has no key {name!r}")
+        if not hasattr(obj, name) and name not in _config_keys(obj):
+            import warnings   # modeling code reads some keys with getattr(config, key, default) (head_dim)
+            warnings.warn(f"--set {key}: {type(obj).__name__} does not declare {name!r}; set anyway (the modeling "
+                          f"code may read it with a default, as head_dim; a typo plans the default)", stacklevel=2)
         setattr(obj, name, value)
     return config
 
@@ -246,13 +262,29 @@ def meta_kernels():
     except (ImportError, AttributeError):
         pass
 
+    try:   # position ids on meta have no values to find packed sequences in: the plan feeds unpacked rows
+        import transformers.masking_utils as masking
+        original_find = masking.find_packed_sequence_indices
+
+        def find_packed(position_ids, *a, **k):
+            return None if position_ids.is_meta else original_find(position_ids, *a, **k)
+        masking.find_packed_sequence_indices = find_packed
+        stack.callback(setattr, masking, "find_packed_sequence_indices", original_find)
+    except (ImportError, AttributeError):
+        pass
+
     class FusedSdpa(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is F.scaled_dot_product_attention and args and type(args[0]) is torch.Tensor and args[0].is_meta:
-                out = _flash_cpu(*args, **kwargs)
-                if out is not None:
-                    return out
+            if func is F.scaled_dot_product_attention and args:
+                if type(args[0]) is torch.Tensor:
+                    if args[0].is_meta:
+                        out = _flash_cpu(*args, **kwargs)
+                        if out is not None:
+                            return out
+                    return func(*args, **kwargs)
+                with self:   # a DTensor call, run by the DTensor: its local sdpa call must meet this mode too
+                    return type(args[0]).__torch_function__(func, types, args, kwargs)
             return func(*args, **kwargs)
 
     with stack, FusedSdpa():
@@ -353,43 +385,23 @@ def run_step(config, mesh: Mapping[str, int], options: dict, device: str) -> dic
     cp = (options.get("cp_method") or "ring") if "cp" in mesh else None
     saved = SavedTensors()
     flops = local_flop_counter()
-    comm = None
     with meta_kernels():
-        if "pp" in mesh:
-            from ..parallel.pipeline.api import build_pipeline
-            kwargs = {k: v for k, v in (("hsdp", hsdp), ("cp", cp)) if v is not None}
-            target = build_pipeline(model, dmesh, "pp", schedule=options["schedule"],
-                                    n_microbatches=options["microbatches"], initialize=device != "meta",
-                                    **kwargs)
-            params = list(target.parameters())
-            batch = _inputs(options["micro_batch"] * options["microbatches"], options["seq"], config, device)
-            opt = torch.optim.AdamW(params, lr=1e-4)
-            with hp.comm_counter() as comm:   # the step only: laying out (a broadcast of the init) is not
-                with saved.recording(), flops:
-                    target.step(**batch)
-                opt.step()
-        else:
-            hp.parallelize(model, dmesh, hsdp=hsdp, cp=cp)
-            params = list(model.parameters())
-            batch = _inputs(options["micro_batch"], options["seq"], config, device)
-            opt = torch.optim.AdamW(params, lr=1e-4)
-            with hp.comm_counter() as comm:
-                with flops:
-                    with saved.recording():
-                        out = model(**batch)
-                    out.loss.backward()
-                opt.step()
+        hp.parallelize(model, dmesh, hsdp=hsdp, cp=cp)
+        params = list(model.parameters())
+        batch = _inputs(options["micro_batch"], options["seq"], config, device)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        with hp.comm_counter() as comm:   # the step only: laying out (a real run's broadcast of the init) is not
+            with flops:
+                with saved.recording():
+                    out = model(**batch)
+                out.loss.backward()
+            opt.step()
     param_bytes, param_keys = _storages(params)
     grad_bytes, grad_keys = _storages([p.grad for p in params], skip=param_keys)
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     optimizer_bytes, _ = _storages(state, skip=param_keys | grad_keys)
     activation_bytes = saved.bytes(param_keys | grad_keys)
-    in_flight = 1
-    if "pp" in mesh:
-        m = max(options["microbatches"], 1)
-        activation_bytes //= m                   # saved over all micro-batches of the step: one micro-batch's
-        in_flight = m if options["schedule"] == "gpipe" else min(m, mesh["pp"])  # 1F1B holds at most pp
-    peak = param_bytes + grad_bytes + optimizer_bytes + activation_bytes * in_flight
+    peak = param_bytes + grad_bytes + optimizer_bytes + activation_bytes
     return {"rank": dist.get_rank(), "param_bytes": param_bytes, "grad_bytes": grad_bytes,
             "optimizer_bytes": optimizer_bytes, "activation_bytes": activation_bytes, "peak_bytes": peak,
             "collectives": {k: {"count": comm.counts[k], "bytes": comm.bytes[k]} for k in sorted(comm.counts)},
@@ -430,6 +442,8 @@ def plan(model_type: str | None = None, *, world: int, mesh: str | Mapping[str, 
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute policy {recompute!r}: use one of {', '.join(RECOMPUTE)}")
     sizes = parse_mesh(mesh, world)
+    if sizes.get("pp", 1) > 1:
+        raise ValueError(PP_NOT_YET)
     cfg = load_config(model_type, config=config, config_file=config_file, model_path=model_path,
                       overrides=overrides)
     if layers is not None:
@@ -502,7 +516,10 @@ def extrapolated_plan(layers: int, low: int, high: int, **kwargs) -> dict:
 def format_record(record: Mapping[str, Any]) -> str:
     """The record as a few readable lines (the CLI's output)."""
     def gib(n):
-        return f"{n / 2 ** 30:,.2f} GiB"
+        for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+            if n >= size:
+                return f"{n / size:,.2f} {unit}"
+        return f"{n} B"
     lines = [f"plan: {record.get('model_type')} ({record.get('layers')} layers) on {record['world']} ranks, mesh "
              f"{mesh_str(record['mesh'])}, seq {record['seq']} x micro-batch {record['micro_batch']}, {record['dtype']}, "
              f"hsdp {record['optimizer_level']}, recompute {record['recompute']}"]
@@ -604,3 +621,51 @@ def comparison(record: Mapping[str, Any], measured: Mapping[int, dict]) -> list[
                 rows.append((f"{axis} {kind} count", a["count"], b["count"], a["count"] == b["count"]))
                 rows.append((f"{axis} {kind} bytes", a["bytes"], b["bytes"], a["bytes"] == b["bytes"]))
     return rows
+
+
+# ---- search (the cost model and the driver: tools/plan_cost.py) -----------------------------------------------
+def _cost_module():
+    try:
+        from . import plan_cost
+    except ImportError:
+        raise ValueError("--search is not yet available: its cost model (hyper_parallel/tools/plan_cost.py) is not "
+                         "in this install; plan one mesh with --mesh") from None
+    return plan_cost
+
+
+def search_plan_fn(world: int, config, **common):
+    """`plan_fn(mesh, microbatches, recompute) -> record` for `plan_cost.search`: each candidate planned at
+    pp and 2 x pp decoder layers and extended linearly to the config's depth (`extrapolated_plan`: exact for
+    identical layers), so a search over dozens of meshes takes seconds per mesh whatever the depth."""
+    text, key = _layers_key(config)
+    depth = int(getattr(text, key))
+
+    def plan_fn(mesh: dict, microbatches: int | None, recompute: str) -> dict:
+        mesh = {k: int(v) for k, v in mesh.items() if int(v) > 1} or {"dp": 1}
+        pp = mesh.get("pp", 1)
+        kwargs = dict(world=world, mesh=mesh, config=config, recompute=recompute,
+                      microbatches=microbatches if pp > 1 else None, **common)
+        if depth <= 2 * pp:
+            return plan(**kwargs)
+        return extrapolated_plan(depth, pp, 2 * pp, **kwargs)
+    return plan_fn
+
+
+def search_main(world: int, *, source: dict, overrides=None, memory=None, device: str = "h100",
+                calibrate: bool = False, **common) -> list[dict]:
+    """`plan --search`: every mesh of `world` that fits `memory`, fastest first (plan_cost.search's ranking)."""
+    cost = _cost_module()
+    config = load_config(**source, overrides=overrides)
+    if calibrate:
+        dev = cost.calibrate()
+    else:
+        if device not in cost.PRESETS:
+            raise ValueError(f"unknown --device {device!r}: presets are {', '.join(cost.PRESETS)} (or --calibrate)")
+        dev = cost.PRESETS[device]
+    return cost.search(world, search_plan_fn(world, config, **common), dev, memory, config=config,
+                       seq=common.get("seq"), micro_batch=common.get("micro_batch", 1))
+
+
+def format_search(results: list[dict], top: int = 10) -> str:
+    cost = _cost_module()
+    return cost.format_ranking(results, top=top)
