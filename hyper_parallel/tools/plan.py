@@ -326,7 +326,16 @@ def local_flop_counter():
             self.mode = LocalOnly(self)
             self.mode.__enter__()
             return self
-    return Counter(display=False)
+    from torch.utils.flop_counter import sdpa_backward_flop, sdpa_flop
+    aten = torch.ops.aten   # the CPU flash kernel has no formula of its own: the same count as the fused ones
+    def raw(formula):   # torch's formulas are already shape-wrapped: passed through as they are
+        def count(*args, **kwargs):
+            return formula(*args, **kwargs)
+        count._get_raw = True
+        return count
+    return Counter(display=False, custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: raw(sdpa_flop),
+                                                  aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                                                  raw(sdpa_backward_flop)})
 
 
 def _build(config, dtype: torch.dtype, device: str = "meta"):
