@@ -18,6 +18,13 @@ from .compiler import compile  # noqa: A004  (hp.compile, as torch.compile)
 
 _load_builtin_rules()
 
+
+def plan(*args, **kwargs) -> dict:
+    """What each rank of a run holds and sends, planned on this CPU (API §13): `hyper_parallel.tools.plan.plan`,
+    imported on first use (it pulls in transformers)."""
+    from .tools.plan import plan as _plan
+    return _plan(*args, **kwargs)
+
 __all__ = [
     "DTensor", "Layout", "DeviceMesh", "init_device_mesh", "Shard", "Replicate", "Partial", "Placement",
     "distribute_tensor", "comm_counter", "MissingOpError", "record_missing_ops", "register_ops",
@@ -30,5 +37,5 @@ __all__ += ["expert_parallel"]
 __all__ += ["context_parallel"]
 __all__ += ["pipeline", "Pipeline"]
 __all__ += ["data_rank", "data_world", "FeedError"]
-__all__ += ["compile"]
+__all__ += ["compile", "plan"]
 __version__ = "0.1.0"

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 _MESHES: dict = {}
+_NAME_OF_GROUP: dict = {}  # process group -> axis_name_of's answer
+_AXIS_OF_RANKS: dict = {}  # sorted ranks of a mesh axis's group -> the axis's name (comm_counter's by-axis books)
 
 
 def comm_timeout() -> timedelta:
@@ -86,6 +88,7 @@ class DeviceMesh:
                 group = dist.new_group(row, timeout=comm_timeout())
                 if self.coordinate is not None and dist.get_rank() in row:
                     chosen = group
+                    _NAME_OF_GROUP[group] = _AXIS_OF_RANKS[tuple(sorted(row))] = self.mesh_dim_names[axis]
             mine.append(chosen)
         return tuple(mine)
 
@@ -158,6 +161,34 @@ def _coordinate(ranks: tuple, shape: tuple, rank: int):
         coord.append(flat % size)
         flat //= size
     return tuple(reversed(coord))
+
+
+def axis_name_of(group) -> str:
+    """The mesh axis whose ranks `group` spans ("world" for the default group): a group made elsewhere over
+    the same ranks (hsdp's own groups) gets the axis's name too; any other, "group<ranks>". Called by
+    `comm_counter` only while one is active."""
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    name = _NAME_OF_GROUP.get(group)
+    if name is None:
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        name = _NAME_OF_GROUP[group] = _AXIS_OF_RANKS.get(ranks) or f"group{list(ranks)}"
+    return name
+
+
+def name_group(group, name: str) -> None:
+    """Tell `comm_counter`'s by-axis books that `group` (made outside a DeviceMesh, e.g. hsdp's own groups
+    along an axis) runs mesh axis `name`."""
+    if group is not None:
+        _NAME_OF_GROUP[group] = name
+
+
+def clear_caches() -> None:
+    """Forget every interned mesh and axis name: `hp.plan` re-initialises torch.distributed (another rank, another
+    world) in one process, and a mesh interned under the old group would hold stale groups and coordinates."""
+    _MESHES.clear()
+    _AXIS_OF_RANKS.clear()
+    _NAME_OF_GROUP.clear()
 
 
 def get_mesh(shape: Sequence[int], names: Sequence[str], rank_list: Sequence[int] | None = None,

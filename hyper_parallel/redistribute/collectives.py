@@ -12,6 +12,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from ..layout import mesh as _mesh
 from . import check as _check
 
 _COUNTERS: list = []
@@ -19,11 +20,21 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp
 
 
 class CommCounts:
-    """Collectives seen inside `comm_counter()`: calls and bytes this rank passed in, per kind."""
+    """Collectives seen inside `comm_counter()`: calls and bytes this rank passed in, per kind, and the same
+    per mesh axis (`by_axis[axis][kind] = [count, bytes]`; the axis is the name of the mesh axis whose
+    process group ran it, "world" for the default group: what a cost model needs to price each link)."""
 
     def __init__(self):
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.by_axis: dict = {}
+
+    def add(self, kind: str, axis: str, nbytes: int) -> None:
+        self.counts[kind] += 1
+        self.bytes[kind] += nbytes
+        entry = self.by_axis.setdefault(axis, {}).setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
 
     def __repr__(self):
         return f"CommCounts(counts={dict(self.counts)}, bytes={dict(self.bytes)})"
@@ -39,12 +50,16 @@ def comm_counter():
         _COUNTERS.remove(counts)
 
 
-def _record(kind: str, tensor: torch.Tensor) -> None:
+def _record(kind: str, tensor: torch.Tensor, group) -> None:
     if _COUNTERS:
-        nbytes = tensor.numel() * tensor.element_size()
-        for c in _COUNTERS:
-            c.counts[kind] += 1
-            c.bytes[kind] += nbytes
+        _count(kind, tensor.numel() * tensor.element_size(), group)
+
+
+def _count(kind: str, nbytes: int, group) -> None:
+    """Only while a counter is active (callers test `_COUNTERS`): the axis lookup stays off the hot path."""
+    axis = _mesh.axis_name_of(group)
+    for c in _COUNTERS:
+        c.add(kind, axis, nbytes)
 
 
 def _unchecked(fn):
@@ -101,7 +116,7 @@ def gather_over_mesh(mesh, t: torch.Tensor, kind: str = "all_gather") -> torch.T
 
 def all_reduce(t: torch.Tensor, op: str, group, parts: int) -> torch.Tensor:
     out = t.contiguous().clone()
-    _record("all_reduce", out)
+    _record("all_reduce", out, group)
     _issue("all_reduce", op, group, dist.all_reduce, out, _OPS[op], group=group)
     if op == "avg":
         out /= parts
@@ -118,7 +133,7 @@ def all_gather(t: torch.Tensor, dim: int, group, sizes: list[int], kind: str = "
         src = torch.cat([src, pad])
     src = src.contiguous()
     out = src.new_empty((parts * top,) + tuple(src.shape[1:]))
-    _record(kind, src)
+    _record(kind, src, group)
     _issue(kind, dim, group, dist.all_gather_single, out, src, group=group)
     if any(s != top for s in sizes):
         out = torch.cat([c[:s] for c, s in zip(out.chunk(parts), sizes)])
@@ -133,7 +148,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, op: str, group, sizes: list[int], 
         return full.narrow(dim, sum(sizes[:index]), sizes[index])
     src = (t.movedim(dim, 0) if dim else t).contiguous()
     out = src.new_empty((sizes[0],) + tuple(src.shape[1:]))
-    _record("reduce_scatter", src)
+    _record("reduce_scatter", src, group)
     _issue("reduce_scatter", (dim, op), group, dist.reduce_scatter_single, out, src, _OPS[op], group=group)
     if op == "avg":
         out /= parts
@@ -145,7 +160,7 @@ def all_to_all(t: torch.Tensor, gather_dim: int, scatter_dim: int, group, parts:
     chunks = [c.contiguous() for c in t.chunk(parts, scatter_dim)]
     src = torch.stack(chunks)
     out = torch.empty_like(src)
-    _record("all_to_all", src)
+    _record("all_to_all", src, group)
     _issue("all_to_all", (gather_dim, scatter_dim), group, dist.all_to_all_single, out, src, group=group)
     return torch.cat(out.unbind(0), dim=gather_dim)
 
@@ -153,7 +168,7 @@ def all_to_all(t: torch.Tensor, gather_dim: int, scatter_dim: int, group, parts:
 def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
     """`t` from global rank `src_rank` to every rank of `group` (in place when `t` is contiguous)."""
     t = t.contiguous()
-    _record("broadcast", t)
+    _record("broadcast", t, group)
     _issue("broadcast", src_rank, group, dist.broadcast, t, src_rank, group=group)
     return t
 
@@ -161,21 +176,21 @@ def broadcast(t: torch.Tensor, src_rank: int, group=None) -> torch.Tensor:
 # ---- in place, on flat buffers, optionally asynchronous: hsdp's gathers and gradient reductions ----------
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False, check_group=None):
     """Every rank's flat `t` concatenated into `out` (rank order); returns the work when `async_op`."""
-    _record("all_gather", t)
+    _record("all_gather", t, group)
     return _issue("all_gather", f"flat {t.numel()} {t.dtype}", group, dist.all_gather_single, out, t,
                   check_over=check_group, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False, check_group=None):
     """The sum over the ranks of flat `t`, this rank's equal piece into `out`; the work when `async_op`."""
-    _record("reduce_scatter", t)
+    _record("reduce_scatter", t, group)
     return _issue("reduce_scatter", f"flat {t.numel()} {t.dtype} sum", group, dist.reduce_scatter_single, out, t,
                   _OPS["sum"], check_over=check_group, group=group, async_op=async_op)
 
 
 def all_reduce_(t: torch.Tensor, group, async_op: bool = False, op: str = "sum", check_group=None):
     """`t` summed (or `op`) over the ranks of `group`, in place; the work when `async_op`."""
-    _record("all_reduce", t)
+    _record("all_reduce", t, group)
     return _issue("all_reduce", f"in place {t.numel()} {t.dtype} {op}", group, dist.all_reduce, t, _OPS[op],
                   check_over=check_group, group=group, async_op=async_op)
 
@@ -192,7 +207,7 @@ def wait(work, kind: str, what: str, group) -> None:
 
 def send(t: torch.Tensor, dst: int, group=None) -> None:
     """Point-to-point to global rank `dst` (the receiver posts `recv`): not checked, ranks differ by design."""
-    _record("send", t)
+    _record("send", t, group)
     _issue("send", dst, group, _unchecked(dist.send), t, dst, group=group)
 
 
@@ -206,7 +221,7 @@ def record_p2p(ops: list) -> list:
     """Count the sends of a list of `dist.P2POp`s that someone else (torch's pipeline schedules) posts."""
     for op in ops:
         if op.op in (dist.isend, dist.send):
-            _record("send", op.tensor)
+            _record("send", op.tensor, op.group)
     return ops
 
 
@@ -239,9 +254,7 @@ def all_to_all_uneven(t: torch.Tensor, output_splits: list[int], input_splits: l
     if _COUNTERS:
         row_bytes = src[:1].numel() * src.element_size()
         leaving = sum(input_splits) - input_splits[dist.get_rank(group)]
-        for c in _COUNTERS:
-            c.counts["all_to_all"] += 1
-            c.bytes["all_to_all"] += leaving * row_bytes
+        _count("all_to_all", leaving * row_bytes, group)
     detail = f"uneven rows of {tuple(src.shape[1:])} {src.dtype}"  # the splits differ by rank: not compared
     _issue("all_to_all", detail, group, dist.all_to_all_single, out, src, output_split_sizes=list(output_splits),
            input_split_sizes=list(input_splits), group=group)
@@ -273,7 +286,7 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     `group`; returns the requests, to `wait()` on once the overlapping compute is done."""
     ops = []
     for t, peer in sends:
-        _record("send", t)
+        _record("send", t, group)
         ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     # every rank of the group comes here (some with nothing to move), so check mode compares them all

@@ -60,7 +60,81 @@ def _parser() -> argparse.ArgumentParser:
                         "(inputs laid out ('dp', 'None', ...)) and compare with the plain single-process run")
     from ..checkpoint.inspect import add_parser as add_checkpoint_parser  # `checkpoint inspect PATH`
     add_checkpoint_parser(sub)
+    _add_plan_parser(sub)
     return p
+
+
+def _add_plan_parser(sub) -> None:
+    """`plan`: what each rank of a run holds and sends, on this CPU (API §13; hyper_parallel/tools/plan.py)."""
+    c = sub.add_parser("plan", help="predict each rank's memory and collectives for a model and a mesh, without "
+                                    "its hardware (fake process group, meta device)")
+    c.add_argument("--model-type", metavar="TYPE", help="a transformers model_type: its default config")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key (repeatable; text_config.KEY for a sub-config), set before the model is built")
+    c.add_argument("--config", metavar="FILE", help="a config.json")
+    c.add_argument("--model-path", metavar="DIR", help="a local checkpoint folder: its config only, no weights read")
+    c.add_argument("--world", type=int, required=True, help="number of ranks")
+    c.add_argument("--mesh", help="axis=size, outer -> inner, e.g. pp=8,dp=4,ep=8,tp=4 (the sizes multiply to "
+                                  "--world); not with --search")
+    c.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    c.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch per data share (default 1)")
+    c.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
+    c.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), default="level1",
+                   help="hsdp over 'dp' (default level1)")
+    c.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp; default 1f1b)")
+    c.add_argument("--microbatches", type=int, help="pipeline micro-batches per step (pp; default 2 x pp)")
+    c.add_argument("--cp-method", help="context-parallel method (cp; default ring)")
+    c.add_argument("--recompute", choices=("none", "full"), default="none")
+    c.add_argument("--json", metavar="FILE", help="write the record as JSON")
+    c.add_argument("--verify", action="store_true",
+                   help="also run the mesh for real on this machine (world gloo processes, tiny sizes only) and "
+                        "print predicted vs measured")
+    c.add_argument("--search", action="store_true", help="rank every mesh of --world that fits --memory")
+    c.add_argument("--memory", help="--search: memory per rank, e.g. 80GiB (default: the device's)")
+    c.add_argument("--device", default="h100", help="--search: a device preset of hyper_parallel/tools/plan_cost.py")
+    c.add_argument("--calibrate", action="store_true", help="--search: measure this machine instead of a preset")
+    c.add_argument("--top", type=int, default=10, help="--search: candidates listed (default 10)")
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """`hyper-parallel plan`: one clear line on stderr and exit 2 for a request that cannot be planned."""
+    import json
+    from . import plan as P
+    source = dict(model_type=args.model_type, config_file=args.config, model_path=args.model_path)
+    common = dict(seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype, optimizer_level=args.optimizer_level,
+                  schedule=args.schedule, cp_method=args.cp_method)
+    try:
+        if args.search:
+            results = P.search_main(args.world, source=source, overrides=args.set, memory=args.memory,
+                                    device=args.device, calibrate=args.calibrate, **common)
+            print(P.format_search(results, args.top))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=2, default=str)
+                print(f"wrote {args.json}")
+            return 0
+        if not args.mesh:
+            raise ValueError("give --mesh axis=size,... (or --search to rank the meshes)")
+        record = P.plan(world=args.world, mesh=args.mesh, overrides=args.set, microbatches=args.microbatches,
+                        recompute=args.recompute, **source, **common)
+    except (ValueError, RuntimeError) as e:
+        print(f"hyper-parallel plan: {e}", file=sys.stderr)
+        return 2
+    print(P.format_record(record))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.verify:
+        config = P.load_config(**source, overrides=args.set)
+        options = P.step_options(mesh=record["mesh"], microbatches=args.microbatches, recompute=args.recompute,
+                                 **common)
+        rows = P.comparison(record, P.verify(record, config, options))
+        print(f"\n{'predicted vs measured (one real step on gloo ranks of this machine)':<44}")
+        for name, pred, got, ok in rows:
+            print(f"  {name:<40} {pred:>14,} {got:>14,}  {'ok' if ok else 'DIFFERS'}")
+        return 0 if all(ok for *_, ok in rows) else 1
+    return 0
 
 
 def census_main(args: argparse.Namespace) -> int:
@@ -217,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         return census_main(args)
     if args.command == "checkpoint":
         return args.handler(args)
+    if args.command == "plan":
+        return plan_main(args)
     return 2
 
 

@@ -29,18 +29,28 @@ def dispatch_combine(hidden: Tensor, index: Tensor, weights: Tensor, n_local: in
     tokens, top_k = index.shape
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)                  # routes grouped by expert, hence by owner
-    sent_per_expert = torch.bincount(flat, minlength=ranks * n_local).view(ranks, n_local)
+    if flat.is_meta:  # hp.plan's trace: no routing without values; every rank sends and receives an even share
+        sent_per_expert = torch.empty((ranks, n_local), dtype=torch.long, device="meta")
+    else:
+        sent_per_expert = torch.bincount(flat, minlength=ranks * n_local).view(ranks, n_local)
     if group is not None:
         received_per_expert = all_to_all_uneven(sent_per_expert, [1] * ranks, [1] * ranks, group)
     else:
         received_per_expert = sent_per_expert
-    send_splits = sent_per_expert.sum(1).tolist()
-    recv_splits = received_per_expert.sum(1).tolist()
+    if flat.is_meta:
+        send_splits = recv_splits = [len(r) for r in torch.arange(flat.numel()).chunk(ranks)]
+        send_splits += [0] * (ranks - len(send_splits))
+    else:
+        send_splits = sent_per_expert.sum(1).tolist()
+        recv_splits = received_per_expert.sum(1).tolist()
 
     routed = hidden[order // top_k]
     received = _exchange(routed, recv_splits, send_splits, group)
-    local_ids = torch.arange(n_local, device=index.device).repeat(ranks)
-    local_ids = torch.repeat_interleave(local_ids, received_per_expert.reshape(-1))
+    if flat.is_meta:
+        local_ids = torch.empty((sum(recv_splits),), dtype=torch.long, device="meta")
+    else:
+        local_ids = torch.arange(n_local, device=index.device).repeat(ranks)
+        local_ids = torch.repeat_interleave(local_ids, received_per_expert.reshape(-1))
     results = compute(received, local_ids)
     returned = _exchange(results, send_splits, recv_splits, group)
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...layout.layout import Layout
-from ...layout.mesh import DeviceMesh, comm_timeout, ensure_process_group, get_mesh
+from ...layout.mesh import DeviceMesh, comm_timeout, ensure_process_group, get_mesh, name_group
 from ..dims import DP
 
 
@@ -63,7 +63,9 @@ def _axis_group(mesh: DeviceMesh, axis: int):
         return None
     rows = torch.tensor(mesh.ranks).reshape(mesh.shape).movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist()
     row = next(r for r in rows if dist.get_rank() in r)
-    return dist.new_group(row, timeout=comm_timeout(), use_local_synchronization=True)
+    group = dist.new_group(row, timeout=comm_timeout(), use_local_synchronization=True)
+    name_group(group, mesh.mesh_dim_names[axis])   # comm_counter books its traffic under the axis's name
+    return group
 
 
 def _as_mesh(mesh) -> DeviceMesh:

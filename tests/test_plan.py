@@ -1,0 +1,86 @@
+"""hp.plan / `hyper-parallel plan`: the planned bytes and collectives of a rank equal a real run's.
+
+Each layout is planned in this process (fake process group, meta model) and run for real on gloo ranks of
+this machine by the same step function (`plan.measure_rank`): parameter, gradient and optimizer bytes and
+every collective's count and bytes per mesh axis must be equal; activations within 15%. Mixture-of-experts
+all_to_all bytes depend on the router's choices, which a plan cannot know: the plan assumes balanced
+routing, so for ("dp", "ep") they are compared as the mean over the ranks (equal to the balanced figure
+whatever the routing, since every route leaves one rank and reaches another).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hyper_parallel.tools import plan as P
+from tests.harness import pool
+
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+             tie_word_embeddings=False)
+EXACT = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def llama(**kw):
+    from transformers import LlamaConfig
+    return LlamaConfig(**dict(SMALL, **kw))
+
+
+def qwen3_moe(**kw):
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(**dict(SMALL, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                 decoder_sparse_step=1, norm_topk_prob=True, **kw))
+
+
+def predicted_and_measured(config, mesh: dict, **kw):
+    world = 1
+    for v in mesh.values():
+        world *= v
+    args = dict(seq=8, micro_batch=2, dtype="fp32", hsdp={"threshold": 0}, **kw)
+    record = P.plan(config=config, world=world, mesh=mesh, **args)
+    options = P.step_options(mesh=mesh, **args)
+    measured = pool(world).run(P.measure_rank, config, mesh, options)
+    return record, measured
+
+
+def assert_matches(record, measured, balanced_axis=None):
+    for stage in record["per_stage"]:
+        m = measured[stage["rank"]]
+        for key in EXACT:
+            assert stage[key] == m[key], (key, stage[key], m[key])
+        assert abs(stage["activation_bytes"] - m["activation_bytes"]) <= 0.15 * m["activation_bytes"], \
+            (stage["activation_bytes"], m["activation_bytes"])
+    if len(record["per_stage"]) > 1:
+        return
+    rank = record["busiest_rank"]["rank"]
+    got = measured[rank]["collectives_by_axis"]
+    assert set(record["collectives_by_axis"]) == set(got)
+    for axis, kinds in record["collectives_by_axis"].items():
+        assert set(kinds) == set(got[axis]), (axis, kinds, got[axis])
+        for kind, c in kinds.items():
+            assert c["count"] == got[axis][kind]["count"], (axis, kind, c, got[axis][kind])
+            if axis == balanced_axis and kind == "all_to_all":
+                mean = sum(m["collectives_by_axis"][axis][kind]["bytes"] for m in measured) / len(measured)
+                assert c["bytes"] == mean, (axis, kind, c, mean)
+            else:
+                assert c["bytes"] == got[axis][kind]["bytes"], (axis, kind, c, got[axis][kind])
+
+
+def test_llama_dp_tp_level3_plan_equals_real_run():
+    record, measured = predicted_and_measured(llama(), {"dp": 2, "tp": 2}, optimizer_level="level3")
+    assert_matches(record, measured)
+    assert record["collectives_by_axis"]["dp"]["reduce_scatter"]["count"] > 0
+
+
+def test_llama_dp2_level2_plan_equals_real_run():
+    record, measured = predicted_and_measured(llama(), {"dp": 2}, optimizer_level="level2")
+    assert_matches(record, measured)
+
+
+def test_qwen3_moe_dp_ep_plan_equals_real_run_with_balanced_all_to_all():
+    record, measured = predicted_and_measured(qwen3_moe(), {"dp": 2, "ep": 2})
+    assert_matches(record, measured, balanced_axis="ep")
