@@ -398,7 +398,10 @@ def survive_a_dead_peer(rank, world, what):
         run = lambda: model(input_ids=global_batch(1), labels=global_batch(1)).loss.backward()  # noqa: E731
     else:
         pipe = hp.pipeline(tiny("llama"), hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), n_microbatches=2)
-        if rank == 1:  # dies in its stage's forward, after the feed check: rank 0 is inside the schedule
+        # one good step first: the stage probe (a broadcast, once per input shape) is behind both ranks, so the
+        # next step goes straight into torch's schedule and rank 0 waits in its send/recv when rank 1 dies
+        pipe.step(global_batch(1), labels=global_batch(1))
+        if rank == 1:  # dies in its stage's forward: rank 0 is inside the schedule
             pipe.stages[0].forward = lambda *a, **k: os._exit(1)
         run = lambda: pipe.step(global_batch(1), labels=global_batch(1))  # noqa: E731
     if rank == 1 and what == "hsdp":

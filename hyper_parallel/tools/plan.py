@@ -218,22 +218,33 @@ def _storages(tensors, skip: set | None = None) -> tuple[int, set]:
 
 
 class SavedTensors:
-    """Unique storages autograd saves for backward while active (parameters' own storages left out by the
-    caller): the activation memory one forward holds until its backward."""
+    """Unique storages autograd saves for backward while recording, the parameters' own storages left out:
+    the activation memory one forward holds until its backward.
 
-    def __init__(self):
+    Storages are told apart by their StorageImpl address, so each one counted is held here until `bytes()`:
+    a storage freed mid-forward could otherwise hand its address to a new one, and addresses compared after
+    the step (the gradients') could match a freed activation's. Either made the figure vary run to run."""
+
+    def __init__(self, skip: set):
+        self.skip = skip
         self.storages: dict = {}
 
     def pack(self, t):
         local = _local(t)
         try:
-            self.storages.setdefault(_key(local), local.untyped_storage().nbytes())
+            storage = local.untyped_storage()
         except (RuntimeError, NotImplementedError):   # a tensor without storage (a wrapper): its local counts
-            pass
+            return t
+        key = storage._cdata
+        if key not in self.skip and key not in self.storages:
+            self.storages[key] = storage
         return t
 
-    def bytes(self, skip: set) -> int:
-        return sum(n for k, n in self.storages.items() if k not in skip)
+    def bytes(self) -> int:
+        """The recorded bytes; releases the storages held for counting."""
+        total = sum(s.nbytes() for s in self.storages.values())
+        self.storages.clear()
+        return total
 
     @contextlib.contextmanager
     def recording(self):
@@ -392,24 +403,24 @@ def run_step(config, mesh: Mapping[str, int], options: dict, device: str) -> dic
     dmesh = hp.init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
     hsdp = _hsdp_kwargs(options) if "dp" in mesh else None
     cp = (options.get("cp_method") or "ring") if "cp" in mesh else None
-    saved = SavedTensors()
     flops = local_flop_counter()
     with meta_kernels():
         hp.parallelize(model, dmesh, hsdp=hsdp, cp=cp)
         params = list(model.parameters())
+        param_bytes, param_keys = _storages(params)
+        saved = SavedTensors(skip=param_keys)
         batch = _inputs(options["micro_batch"], options["seq"], config, device)
         opt = torch.optim.AdamW(params, lr=1e-4)
         with hp.comm_counter() as comm:   # the step only: laying out (a real run's broadcast of the init) is not
             with flops:
                 with saved.recording():
                     out = model(**batch)
+                activation_bytes = saved.bytes()
                 out.loss.backward()
             opt.step()
-    param_bytes, param_keys = _storages(params)
     grad_bytes, grad_keys = _storages([p.grad for p in params], skip=param_keys)
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     optimizer_bytes, _ = _storages(state, skip=param_keys | grad_keys)
-    activation_bytes = saved.bytes(param_keys | grad_keys)
     peak = param_bytes + grad_bytes + optimizer_bytes + activation_bytes
     return {"rank": dist.get_rank(), "param_bytes": param_bytes, "grad_bytes": grad_bytes,
             "optimizer_bytes": optimizer_bytes, "activation_bytes": activation_bytes, "peak_bytes": peak,
