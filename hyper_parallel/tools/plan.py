@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 AXES = ("pp", "dp", "ep", "tp", "cp")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -252,13 +254,28 @@ class SavedTensors:
             yield self
 
 
+class FusedSdpa(TorchFunctionMode):
+    """sdpa on meta tensors by the CPU flash kernel, as a CPU run picks it (see `meta_kernels`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args:
+            if type(args[0]) is torch.Tensor:
+                if args[0].is_meta:
+                    out = _flash_cpu(*args, **kwargs)
+                    if out is not None:
+                        return out
+                return func(*args, **kwargs)
+            with self:   # a DTensor call, run by the DTensor: its local sdpa call must meet this mode too
+                return type(args[0]).__torch_function__(func, types, args, kwargs)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def meta_kernels():
     """On meta, the same kernels a CPU run picks: sdpa's fused CPU flash kernel (the math path meta would take
     saves the attention matrix the fused kernel never holds), and a grouped matmul in float32 through
     transformers' fallback op (the meta grouped_mm kernel takes bf16 only)."""
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
     stack = contextlib.ExitStack()
     try:
         import transformers.integrations.moe as moe
@@ -283,20 +300,6 @@ def meta_kernels():
         stack.callback(setattr, masking, "find_packed_sequence_indices", original_find)
     except (ImportError, AttributeError):
         pass
-
-    class FusedSdpa(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is F.scaled_dot_product_attention and args:
-                if type(args[0]) is torch.Tensor:
-                    if args[0].is_meta:
-                        out = _flash_cpu(*args, **kwargs)
-                        if out is not None:
-                            return out
-                    return func(*args, **kwargs)
-                with self:   # a DTensor call, run by the DTensor: its local sdpa call must meet this mode too
-                    return type(args[0]).__torch_function__(func, types, args, kwargs)
-            return func(*args, **kwargs)
 
     with stack, FusedSdpa():
         yield
@@ -379,8 +382,12 @@ def _hsdp_kwargs(options: dict) -> dict:
 
 
 def _recompute(model, policy: str) -> None:
+    """Full recompute: transformers' activation checkpointing of every decoder layer. The recompute runs in
+    backward, outside `meta_kernels`' mode, so it gets the same mode of its own: otherwise sdpa would take
+    another kernel there than in the forward, and checkpoint refuses recomputed values whose shapes differ."""
     if policy == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), FusedSdpa())})
 
 
 def plan_rank(config, mesh: Mapping[str, int], rank: int, options: dict) -> dict:
