@@ -306,10 +306,14 @@ def meta_kernels():
 
 
 def _flash_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """The CPU flash kernel on meta tensors (it has a meta kernel and an autograd formula); None where the CPU
-    dispatcher would not pick it either (a mask, dropout)."""
-    if attn_mask is not None and not is_causal:
-        return None
+    """The CPU flash kernel on meta tensors (it has a meta kernel and an autograd formula), as the CPU dispatcher
+    picks it, a mask included (a boolean one made additive first, as sdpa does); None where the CPU dispatcher
+    would not pick it either (dropout)."""
+    if attn_mask is not None and is_causal:
+        return None   # sdpa refuses both at once
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attn_mask.to(query.device), float("-inf"))
     if dropout_p:
         return None
     if enable_gqa and key.shape[-3] != query.shape[-3]:
@@ -317,7 +321,7 @@ def _flash_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
     try:
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, bool(is_causal),
-                                                                          attn_mask=None, scale=scale)
+                                                                          attn_mask=attn_mask, scale=scale)
     except (RuntimeError, NotImplementedError):
         return None
     return out[0]

@@ -46,7 +46,10 @@ class ContextSettings:
         self.group = self.mesh.get_group(self.axis) if self.parts > 1 else None
 
     def ring(self, seq_len: int, device) -> Ring:
+        """The ring's token indices on `device`; on the CPU for meta queries (hp.plan's trace): the skip and
+        mask decisions read their values, which a meta tensor does not have."""
         chunk = seq_len // (2 * self.parts)
+        device = "cpu" if torch.device(device).type == "meta" else device
         return Ring(self.group, self.rank, self.parts,
                     tuple(token_index(r, self.parts, chunk, device) for r in range(self.parts)))
 
@@ -87,7 +90,9 @@ def context_attention(settings, module, query, key, value, attention_mask, dropo
     key_ok = None
     if attention_mask is not None:
         full = attention_mask.full_tensor() if isinstance(attention_mask, DTensor) else attention_mask
-        key_ok = None if bool(full.all()) else full.to(torch.bool)
+        # a mask on the meta device (hp.plan's trace) has no values to read: planned as no padding, as the
+        # plan feeds unpadded rows
+        key_ok = None if full.is_meta or bool(full.all()) else full.to(torch.bool)
     vis = Visibility(bool(causal), sliding_window, key_ok)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.to_local(), key.to_local(), value.to_local()
@@ -132,7 +137,8 @@ def _local_attention(q, k, v, vis: Visibility, q_index, k_index, scale):
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if bool(mask.any(-1).all()):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None].to(q.device), scale=scale,
+                                              enable_gqa=gqa)
     return block_forward(q, k, v, mask, scale)[0]  # rows that see no key at all come out 0
 
 
@@ -151,12 +157,12 @@ def _ulysses(settings, ring, vis, q, k, v, scale, where):
     index = _all_index(ring)
     if vis.key_ok is None:  # back to the plain order, where a causal mask is sdpa's is_causal
         order = torch.argsort(index)
-        q, k, v = (t.index_select(2, order) for t in (q, k, v))
+        q, k, v = (t.index_select(2, order.to(q.device)) for t in (q, k, v))   # indices stay on the CPU for meta
         vis_plain = Visibility(vis.causal, vis.window)
         out = _local_attention(q, k, v, vis_plain, index[order], index[order], scale) if vis.window is not None \
             else F.scaled_dot_product_attention(q, k, v, is_causal=vis.causal, scale=scale,
                                                 enable_gqa=q.shape[1] != k.shape[1])
-        out = out.index_select(2, torch.argsort(order))
+        out = out.index_select(2, torch.argsort(order).to(out.device))
     else:
         out = _local_attention(q, k, v, vis, index, index, scale)
     return _AllToAll.apply(out, settings, 1, 2)

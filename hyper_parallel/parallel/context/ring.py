@@ -58,7 +58,7 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     s = torch.matmul(q.reshape(b, hkv, (hq // hkv) * lq, d), k.transpose(-1, -2)) * scale
     s = s.view(b, hkv, hq // hkv, lq, k.shape[2])
     if mask is not None:
-        s = s.masked_fill(~mask[:, None, None], _NEG_INF)
+        s = s.masked_fill(~mask[:, None, None].to(s.device), _NEG_INF)
     return s
 
 
@@ -68,8 +68,9 @@ def _finite(lse: Tensor) -> Tensor:
 
 
 def _fused(q: Tensor, mask: Tensor | None) -> bool:
-    """torch's CPU flash kernel (no materialised scores, returns the log-sum-exp) serves unmasked blocks."""
-    return mask is None and q.device.type == "cpu"
+    """torch's CPU flash kernel (no materialised scores, returns the log-sum-exp) serves unmasked blocks; on
+    meta (hp.plan's trace) too, so the plan saves what a CPU run saves."""
+    return mask is None and q.device.type in ("cpu", "meta")
 
 
 def _repeat_kv(t: Tensor, groups: int) -> Tensor:
