@@ -94,6 +94,8 @@ def _add_plan_parser(sub) -> None:
     c.add_argument("--device", default="h100", help="--search: a device preset of hyper_parallel/tools/plan_cost.py")
     c.add_argument("--calibrate", action="store_true", help="--search: measure this machine instead of a preset")
     c.add_argument("--top", type=int, default=10, help="--search: candidates listed (default 10)")
+    c.add_argument("--max", action="append", default=[], metavar="AXIS=SIZE",
+                   help="--search: the largest size of an axis (repeatable; default tp=8 and cp=seq/512)")
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -106,7 +108,8 @@ def plan_main(args: argparse.Namespace) -> int:
     try:
         if args.search:
             results = P.search_main(args.world, source=source, overrides=args.set, memory=args.memory,
-                                    device=args.device, calibrate=args.calibrate, **common)
+                                    device=args.device, calibrate=args.calibrate,
+                                    limits=P.parse_mesh(",".join(args.max)) if args.max else None, **common)
             print(P.format_search(results, args.top))
             if args.json:
                 with open(args.json, "w") as f:

@@ -682,11 +682,26 @@ def search_plan_fn(world: int, config, **common):
     return plan_fn
 
 
+def search_limits(seq: int, given: Mapping[str, int] | None = None) -> dict:
+    """The axis caps of `--search` (`--max axis=size` overrides each): tp within one node of 8 accelerators
+    (the presets' fast link spans a node; tensor parallelism across nodes is what no one runs), and cp no
+    finer than 256 tokens per sequence chunk (ring: two chunks per rank). A plan's cost grows with the cp size
+    (the ring's steps are traced one by one), and these are the meshes a user would not take anyway."""
+    limits = {"tp": 8, "cp": max(1, int(seq) // 512)}
+    for axis, size in (given or {}).items():
+        if axis not in AXES:
+            raise ValueError(f"--max {axis}={size}: the axis must be one of {', '.join(AXES)}")
+        limits[axis] = int(size)
+    return limits
+
+
 def search_main(world: int, *, source: dict, overrides=None, memory=None, device: str = "h100",
-                calibrate: bool = False, **common) -> list[dict]:
-    """`plan --search`: every mesh of `world` that fits `memory`, fastest first (plan_cost.search's ranking)."""
+                calibrate: bool = False, limits: Mapping[str, int] | None = None, **common) -> list[dict]:
+    """`plan --search`: every mesh of `world` that fits `memory`, fastest first (plan_cost.search's ranking),
+    among the meshes within `search_limits`."""
     cost = _cost_module()
     config = load_config(**source, overrides=overrides)
+    caps = search_limits(common.get("seq") or 4096, limits)
     if calibrate:
         dev = cost.calibrate()
     else:
@@ -694,7 +709,8 @@ def search_main(world: int, *, source: dict, overrides=None, memory=None, device
             raise ValueError(f"unknown --device {device!r}: presets are {', '.join(cost.PRESETS)} (or --calibrate)")
         dev = cost.PRESETS[device]
     return cost.search(world, search_plan_fn(world, config, **common), dev, memory, config=config,
-                       seq=common.get("seq"), micro_batch=common.get("micro_batch", 1))
+                       seq=common.get("seq"), micro_batch=common.get("micro_batch", 1),
+                       **{f"max_{axis}": size for axis, size in caps.items()})
 
 
 def format_search(results: list[dict], top: int = 10) -> str:

@@ -323,8 +323,10 @@ class HsdpState:
     def used_anywhere(self, params: list) -> set:
         """The parameters of `params` that got a gradient on at least one data-parallel rank: flags
         max-reduced over the shard and replica groups (one small all-reduce each)."""
-        flags = torch.tensor([p.compute.grad is not None for p in params], dtype=torch.int32,
-                             device=self.params[0].buffer.device if self.params else None)
+        device = self.params[0].buffer.device if self.params else None
+        if device is not None and device.type == "meta":   # hp.plan's trace: the flags are read, so not meta
+            device = torch.device("cpu")
+        flags = torch.tensor([p.compute.grad is not None for p in params], dtype=torch.int32, device=device)
         for group, check in ((self.topo.reduce_shard_group, self.topo.check_group),
                              (self.topo.reduce_replicate_group, None)):
             if group is not None:
