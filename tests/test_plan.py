@@ -119,3 +119,20 @@ def test_llama_dp_cp_plan_equals_real_run(method):
     record, measured = predicted_and_measured(llama(), {"dp": 2, "cp": 2}, seq=16, cp_method=method)
     assert_matches(record, measured)
     assert record["collectives_by_axis"]["cp"]
+
+
+def test_qwen3_vl_text_batch_plan_equals_real_run_with_unused_vision_tower():
+    """The requirement's Qwen3-VL (the built-in tiny config) under hsdp level3 on a text batch: the vision tower
+    never runs, hsdp's used-anywhere vote reads CPU flags on meta, and the plan equals a real run."""
+    from hyper_parallel.tools.models import _qwen3_vl
+    config = _qwen3_vl(0).model.config
+    record, measured = predicted_and_measured(config, {"dp": 2}, optimizer_level="level3")
+    assert_matches(record, measured)
+    assert record["busiest_rank"]["grad_bytes"] < record["busiest_rank"]["param_bytes"]   # no tower gradients
+
+
+def test_search_caps_tp_at_a_node_and_cp_at_256_token_chunks_unless_told():
+    assert P.search_limits(4096) == {"tp": 8, "cp": 8}
+    assert P.search_limits(4096, {"tp": 16}) == {"tp": 16, "cp": 8}
+    with pytest.raises(ValueError, match="one of"):
+        P.search_limits(4096, {"xp": 2})
