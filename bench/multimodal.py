@@ -1,28 +1,24 @@
-"""Pipeline parallel on a Qwen3-VL-like model (stages cut by structure): step time and peak memory per rank.
+"""The requirement's Qwen3-VL-like model under tensor, context and pipeline parallel: step time and peak
+memory per rank against one process.
 
-Run (4 gloo processes on CPU, pp=4, 1F1B):
+Run (4 gloo processes on CPU):
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 4 bench/multimodal_pipeline.py [--steps 2]
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 4 bench/multimodal.py [--modes tp,cp,pp] [--steps 2]
 
 Model: Qwen3VLForConditionalGeneration, random weights: text hidden 512, 4 decoder layers, vocab 8192; a
 2-block vision tower (hidden 512) with deepstack features into layers 0-1; one 224x224 image per sample
-(patch 16 -> 196 patches -> 49 image tokens), sequence 1024, global batch 4, AdamW. The first stage holds
-the vision tower and the embeddings, the last the final norm and the head; the 3-D rotary positions and
-the deepstack features travel with the hidden state. Step time: pipe.step + optimizer step, mean over the
-timed steps after a warm-up step, slowest rank, against one process training the plain model on the same
-global batch (rank 0 alone, same run). Peak MiB/rank: the most bytes of live tensors during one profiled
-step (torch.profiler allocator events, from before the model is built). On the project's 2 shared cores the
-4 ranks do not run in parallel: the step time measures the pipeline's overheads, not its speed-up; the
-memory per rank is what the cut buys.
-
-A run on the project's 2 shared cores (other jobs running, 2026-12-05), defaults (47.1M params):
-one process: 4.889 s/step, peak 1561.0 MiB
-rank   layers  step (s) vs 1 proc  peak MiB vs 1 proc
-   0      0-0     4.526      0.93     530.5      0.34     (vision tower, embeddings, layer 0)
-   1      1-1     4.029      0.82     270.0      0.17
-   2      2-2     4.372      0.89     211.3      0.14
-   3      3-3     4.385      0.90     280.7      0.18     (layer 3, norm, head)
-slowest rank: 4.526 s/step (0.93x one process); busiest rank: 530.5 MiB (0.34x one process)
+(patch 16 -> 196 patches -> 49 image tokens), sequence 1024, global batch 4, AdamW. Modes:
+- tp: `shard(model, "auto")` over the 4 ranks (decoder layers, vision blocks, merger by structure); every
+  rank feeds the whole batch.
+- cp: `context_parallel(model, mesh, method="ring")` over the 4 ranks: the language sequence split (image
+  placeholders included), the vision tower whole on every rank; every rank feeds the whole batch.
+- pp: `pipeline(model, mesh, schedule="1f1b")`, 4 micro-batches: the first stage holds the vision tower
+  and the embeddings, the last the final norm and the head.
+Step time: forward + backward + optimizer step, mean over the timed steps after a warm-up step, slowest
+rank, against one process training the plain model on the same global batch (rank 0 alone, same run).
+Peak MiB/rank: the most bytes of live tensors during one profiled step (torch.profiler allocator events,
+from before the model is built). On the project's 2 shared cores the 4 ranks do not run in parallel: step
+time measures each parallelism's overheads, not its speed-up; memory per rank is what the split buys.
 """
 from __future__ import annotations
 
@@ -73,18 +69,32 @@ def global_batch(args):
     return ids, labels, inputs
 
 
-def make_pipeline(args):
+def make_pipeline(args, mesh):
     import hyper_parallel as hp
-    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), ("pp",))
     pipe = hp.pipeline(build(args), mesh, schedule="1f1b", n_microbatches=args.microbatches)
-    return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+
+    def step(batch):
+        ids, labels, inputs = batch
+        pipe.step(ids, labels=labels, **inputs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
-def pipe_step(pipe, opt, batch):
-    ids, labels, inputs = batch
-    pipe.step(ids, labels=labels, **inputs)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def make_model(args, mesh, mode):
+    """tp or cp on the whole mesh: every rank feeds the same global batch, the model does the split."""
+    import hyper_parallel as hp
+    model = build(args)
+    model = hp.shard(model, "auto", mesh=mesh) if mode == "tp" else hp.context_parallel(model, mesh, method="ring")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return lambda batch: plain_step(model, opt, batch)
+
+
+def make(args, mode):
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), (mode,))
+    return make_pipeline(args, mesh) if mode == "pp" else make_model(args, mesh, mode)
 
 
 def plain_step(model, opt, batch):
@@ -131,6 +141,23 @@ def one_process(args, batch):
     return out[0].item(), out[1].item()
 
 
+def measure(args, mode: str, batch) -> list:
+    """Every rank's (mean step seconds, peak bytes of one profiled step) under `mode`."""
+    step = make(args, mode)
+    seconds = timed(lambda: step(batch), args.steps)
+    del step
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = make(args, mode)
+        with record_function("measured_step"):
+            step(batch)
+        del step
+        gc.collect()
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, (seconds, peak_in_window(prof, "measured_step")))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=512)
@@ -140,37 +167,24 @@ def main():
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences, one image each)")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--modes", default="tp,cp,pp", help="comma-separated among tp, cp, pp")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     batch = global_batch(args)
     single, single_peak = one_process(args, batch)
-    pipe, opt = make_pipeline(args)
-    step = timed(lambda: pipe_step(pipe, opt, batch), args.steps)
-    layers = [list(s.layers) for s in pipe.specs]
-    del pipe, opt
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        pipe, opt = make_pipeline(args)
-        with record_function("measured_step"):
-            pipe_step(pipe, opt, batch)
-        del pipe, opt
-        gc.collect()
-    peak = peak_in_window(prof, "measured_step")
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (step, peak, layers))
+    results = {mode: measure(args, mode, batch) for mode in args.modes.split(",")}
     if dist.get_rank() == 0:
         n = sum(p.numel() for p in build(args).parameters())
         print(f"Qwen3-VL-like: text hidden {args.hidden}, {args.layers} layers, 2-block vision tower, "
               f"{n / 1e6:.1f}M params; global batch {args.batch} x {args.seq} tokens, one 224x224 image each; "
-              f"pp={len(rows)} 1F1B, {args.microbatches} micro-batches; AdamW")
+              f"{dist.get_world_size()} ranks; AdamW")
         print(f"one process: {single:.3f} s/step, peak {single_peak / 2**20:.1f} MiB")
-        print(f"{'rank':>4s} {'layers':>8s} {'step (s)':>9s} {'vs 1 proc':>9s} {'peak MiB':>9s} {'vs 1 proc':>9s}")
-        for r, (s, p, lay) in enumerate(rows):
-            print(f"{r:4d} {str(lay[0][0]) + '-' + str(lay[0][-1]):>8s} {s:9.3f} {s / single:9.2f} "
-                  f"{p / 2**20:9.1f} {p / single_peak:9.2f}")
-        print(f"slowest rank: {max(r[0] for r in rows):.3f} s/step ({max(r[0] for r in rows) / single:.2f}x one "
-              f"process); busiest rank: {max(r[1] for r in rows) / 2**20:.1f} MiB")
+        print(f"{'mode':>4s} {'slowest s':>9s} {'vs 1 proc':>9s} {'peak MiB per rank':>36s} {'busiest vs 1':>12s}")
+        for mode, rows in results.items():
+            slowest, peaks = max(r[0] for r in rows), [r[1] / 2**20 for r in rows]
+            print(f"{mode:>4s} {slowest:9.3f} {slowest / single:9.2f} {' / '.join(f'{p:.0f}' for p in peaks):>36s} "
+                  f"{max(peaks) * 2**20 / single_peak:12.2f}")
     dist.destroy_process_group()
 
 
