@@ -115,28 +115,37 @@ def timed(step, steps):
     return statistics.mean(times)
 
 
+def profiled_peak(make_step, batch) -> int:
+    """Peak bytes of live tensors during one step of a fresh `make_step()`, counted from before it is built."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = make_step()
+        with record_function("measured_step"):
+            step(batch)
+        del step
+        gc.collect()
+    return peak_in_window(prof, "measured_step")
+
+
+def make_plain(args):
+    model = build(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return lambda batch: plain_step(model, opt, batch)
+
+
 def one_process(args, batch):
     """Rank 0 trains the plain model on the global batch while the others wait: (seconds, peak bytes)."""
     out = torch.zeros(2, dtype=torch.float64)
     if dist.get_rank() == 0:
-        model = build(args)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        plain_step(model, opt, batch)
+        step = make_plain(args)
+        step(batch)
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            plain_step(model, opt, batch)
+            step(batch)
             times.append(time.perf_counter() - t0)
-        del model, opt
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model = build(args)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            with record_function("measured_step"):
-                plain_step(model, opt, batch)
-            del model, opt
-            gc.collect()
-        out[0], out[1] = statistics.mean(times), peak_in_window(prof, "measured_step")
+        del step
+        out[0], out[1] = statistics.mean(times), profiled_peak(lambda: make_plain(args), batch)
     dist.broadcast(out, 0)
     return out[0].item(), out[1].item()
 
@@ -146,15 +155,8 @@ def measure(args, mode: str, batch) -> list:
     step = make(args, mode)
     seconds = timed(lambda: step(batch), args.steps)
     del step
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step = make(args, mode)
-        with record_function("measured_step"):
-            step(batch)
-        del step
-        gc.collect()
     rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (seconds, peak_in_window(prof, "measured_step")))
+    dist.all_gather_object(rows, (seconds, profiled_peak(lambda: make(args, mode), batch)))
     return rows
 
 

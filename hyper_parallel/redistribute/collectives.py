@@ -296,8 +296,8 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
 def _batch_p2p(ops: list) -> list:
     if ops and ops[0].tensor.is_meta:
         # hp.plan's trace (meta tensors, fake group): no backend coalesces on meta, and nothing moves anyway
-        return [op.op(op.tensor, group=op.group, **{"group_dst" if op.op is dist.isend else "group_src": op.group_peer})
-                for op in ops]
+        return [dist.isend(op.tensor, group=op.group, group_dst=op.group_peer) if op.op is dist.isend
+                else dist.irecv(op.tensor, group=op.group, group_src=op.group_peer) for op in ops]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
