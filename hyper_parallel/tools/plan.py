@@ -822,24 +822,25 @@ def verify(record: Mapping[str, Any], config, options: dict) -> dict:
 
 
 def comparison(record: Mapping[str, Any], measured: Mapping[int, dict]) -> list[tuple[str, Any, Any, bool]]:
-    """(quantity, predicted, measured, equal) for every planned rank: bytes, and each collective's count and
-    bytes per axis; activation and peak bytes are compared within 15%, the rest exactly."""
+    """(quantity, predicted, measured, equal) for every planned rank (each pipeline stage's first): bytes, and
+    each collective's count and bytes per axis; activation and peak bytes are compared within 15%, the rest
+    exactly."""
     rows = []
     for stage in record["per_stage"]:
-        m = measured[stage["rank"]]
+        rank = stage["rank"]
+        m = measured[rank]
         for key in BYTE_KEYS:
             p, v = stage[key], m[key]
             ok = p == v if key in ("param_bytes", "grad_bytes", "optimizer_bytes") else abs(p - v) <= 0.15 * max(v, 1)
-            rows.append((f"rank {stage['rank']} {key}", p, v, ok))
-    if len(record["per_stage"]) == 1:
-        m = measured[record["busiest_rank"]["rank"]]
-        pred, got = record["collectives_by_axis"], m["collectives_by_axis"]
+            rows.append((f"rank {rank} {key}", p, v, ok))
+        pred = stage.get("collectives_by_axis", record["collectives_by_axis"])
+        got = m["collectives_by_axis"]
         for axis in sorted(set(pred) | set(got)):
             for kind in sorted(set(pred.get(axis, {})) | set(got.get(axis, {}))):
                 a = pred.get(axis, {}).get(kind, {"count": 0, "bytes": 0})
                 b = got.get(axis, {}).get(kind, {"count": 0, "bytes": 0})
-                rows.append((f"{axis} {kind} count", a["count"], b["count"], a["count"] == b["count"]))
-                rows.append((f"{axis} {kind} bytes", a["bytes"], b["bytes"], a["bytes"] == b["bytes"]))
+                rows.append((f"rank {rank} {axis} {kind} count", a["count"], b["count"], a["count"] == b["count"]))
+                rows.append((f"rank {rank} {axis} {kind} bytes", a["bytes"], b["bytes"], a["bytes"] == b["bytes"]))
     return rows
 
 
