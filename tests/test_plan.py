@@ -117,3 +117,8 @@ def test_llama_pp2_dp2_plan_equals_real_run():
 def test_interleaved_schedule_is_refused_with_what_to_use():
     with pytest.raises(ValueError, match="--schedule 1f1b or gpipe"):
         P.plan(config=llama(num_hidden_layers=4), world=2, mesh={"pp": 2}, seq=8, schedule="interleaved_1f1b")
+
+
+def test_context_parallel_mesh_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="plan the mesh without cp"):
+        P.plan(config=llama(), world=4, mesh={"pp": 2, "cp": 2}, seq=8)

@@ -14,6 +14,18 @@ tensors through the same dispatch and the same `redistribute/collectives.py` a r
   (`saved_tensors_hooks`), parameters excluded, under the recompute policy;
 - FLOPs are `FlopCounterMode`'s count of the local ops of forward + backward.
 
+With a "pp" axis the plan plays each stage's first rank, in stage order, laid out by the library's
+`pipeline` (the schedule, micro-batches and stage parallelisms a real run uses). torch's schedules cannot run
+on meta tensors (their P2P warm-up reads values), so `MetaSchedule` replays torch's gpipe / 1f1b order for
+the rank's stage itself (forward, loss on the last stage, backward per micro-batch) and books the sends
+torch's stage posts (activations forward, input gradients backward, each on axis "pp" as "send", as
+`CountedStage` counts them on a real run); what the previous stage hands on comes from its own plan
+(`PipelinePeers`). Both sides count a steady-state step: the first `Pipeline.step` (the once-per-shape
+stage probe, and on a real run torch's metadata inference, an extra forward and input-gradient pass) runs
+uncounted. A stage's activation bytes are one micro-batch's saved storages (`FirstMicroBatch`, the same
+hooks on meta and on a real run) times the micro-batches in flight on it: 1f1b min(microbatches,
+pp - stage), gpipe all of them. Interleaved and zero-bubble schedules are refused (PP_NOT_YET).
+
 Two things are assumptions, stated in the record: a mixture-of-experts router has no values on meta, so
 the token exchange assumes balanced routing (every rank sends and receives an even share; counts are exact,
 all_to_all bytes are the balanced figure); and the predicted peak is parameters + gradients + optimizer
@@ -37,6 +49,9 @@ RECOMPUTE = ("none", "full")
 PP_NOT_YET = ("pipeline schedule {schedule!r} cannot be planned yet: the planner replays the gpipe and 1f1b orders "
               "(one stage per rank) itself, not the interleaved or zero-bubble ones; plan with --schedule 1f1b or "
               "gpipe")
+CP_NOT_YET = ("a mesh with cp > 1 cannot be planned yet: context-parallel attention reads its mask's values and "
+              "its ring exchange has no meta backend; plan the mesh without cp (each cp rank holds seq / cp tokens: "
+              "--seq <seq / cp> approximates one)")
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes")
 
 
@@ -657,6 +672,8 @@ def plan(model_type: str | None = None, *, world: int, mesh: str | Mapping[str, 
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute policy {recompute!r}: use one of {', '.join(RECOMPUTE)}")
     sizes = parse_mesh(mesh, world)
+    if sizes.get("cp", 1) > 1:
+        raise ValueError(CP_NOT_YET)
     if sizes.get("pp", 1) > 1 and schedule not in PLANNED_SCHEDULES:
         raise ValueError(PP_NOT_YET.format(schedule=schedule))
     cfg = load_config(model_type, config=config, config_file=config_file, model_path=model_path,
