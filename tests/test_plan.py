@@ -49,18 +49,23 @@ def predicted_and_measured(config, mesh: dict, **kw):
 
 
 def assert_matches(record, measured, balanced_axis=None):
+    """Every planned rank (each pipeline stage's first) against its measured twin: bytes, and every collective's
+    count and bytes per mesh axis."""
     for stage in record["per_stage"]:
         m = measured[stage["rank"]]
         for key in EXACT:
-            assert stage[key] == m[key], (key, stage[key], m[key])
+            assert stage[key] == m[key], (stage["rank"], key, stage[key], m[key])
         assert abs(stage["activation_bytes"] - m["activation_bytes"]) <= 0.15 * m["activation_bytes"], \
-            (stage["activation_bytes"], m["activation_bytes"])
-    if len(record["per_stage"]) > 1:
-        return
-    rank = record["busiest_rank"]["rank"]
-    got = measured[rank]["collectives_by_axis"]
-    assert set(record["collectives_by_axis"]) == set(got)
-    for axis, kinds in record["collectives_by_axis"].items():
+            (stage["rank"], stage["activation_bytes"], m["activation_bytes"])
+        assert_collectives_match(stage["collectives_by_axis"], m["collectives_by_axis"], measured, balanced_axis)
+    busiest = record["busiest_rank"]["rank"]
+    assert record["collectives_by_axis"] == next(s for s in record["per_stage"]
+                                                 if s["rank"] == busiest)["collectives_by_axis"]
+
+
+def assert_collectives_match(predicted, got, measured, balanced_axis=None):
+    assert set(predicted) == set(got), (predicted, got)
+    for axis, kinds in predicted.items():
         assert set(kinds) == set(got[axis]), (axis, kinds, got[axis])
         for kind, c in kinds.items():
             assert c["count"] == got[axis][kind]["count"], (axis, kind, c, got[axis][kind])
@@ -136,3 +141,31 @@ def test_search_caps_tp_at_a_node_and_cp_at_256_token_chunks_unless_told():
     assert P.search_limits(4096, {"tp": 16}) == {"tp": 16, "cp": 8}
     with pytest.raises(ValueError, match="one of"):
         P.search_limits(4096, {"xp": 2})
+
+
+def assert_pipeline_sends(record, microbatches):
+    """Each stage sends one activation forward (all but the last) or one gradient backward (all but the
+    first) per micro-batch: with two stages, `microbatches` sends on each rank."""
+    for stage in record["per_stage"]:
+        assert stage["collectives_by_axis"]["pp"]["send"]["count"] == microbatches, stage
+
+
+def test_llama_pp2_plan_equals_real_run():
+    record, measured = predicted_and_measured(llama(), {"pp": 2})
+    assert_matches(record, measured)
+    assert [s["rank"] for s in record["per_stage"]] == [0, 1]
+    assert_pipeline_sends(record, record["pipeline"]["microbatches"])
+    assert "micro-batches in flight" in record["assumptions"]
+
+
+def test_llama_pp2_dp2_plan_equals_real_run():
+    record, measured = predicted_and_measured(llama(), {"pp": 2, "dp": 2}, schedule="gpipe", microbatches=2)
+    assert_matches(record, measured)
+    assert [s["rank"] for s in record["per_stage"]] == [0, 2]
+    assert_pipeline_sends(record, 2)
+    assert all(s["collectives_by_axis"]["dp"]["all_reduce"]["count"] > 0 for s in record["per_stage"])
+
+
+def test_interleaved_schedule_is_refused_with_what_to_use():
+    with pytest.raises(ValueError, match="--schedule 1f1b or gpipe"):
+        P.plan(config=llama(num_hidden_layers=4), world=2, mesh={"pp": 2}, seq=8, schedule="interleaved_1f1b")

@@ -221,8 +221,14 @@ def record_p2p(ops: list) -> list:
     """Count the sends of a list of `dist.P2POp`s that someone else (torch's pipeline schedules) posts."""
     for op in ops:
         if op.op in (dist.isend, dist.send):
-            _record("send", op.tensor, op.group)
+            record_send(op.tensor, op.group)
     return ops
+
+
+def record_send(tensor: torch.Tensor, group) -> None:
+    """Count one point-to-point send of `tensor` over `group` (as `record_p2p` counts torch's; hp.plan books
+    the sends of the schedule it replays on meta tensors with it)."""
+    _record("send", tensor, group)
 
 
 # ---- objects (metadata exchanges: checkpoints, checks) -----------------------------------------------------

@@ -14,6 +14,18 @@ tensors through the same dispatch and the same `redistribute/collectives.py` a r
   (`saved_tensors_hooks`), parameters excluded, under the recompute policy;
 - FLOPs are `FlopCounterMode`'s count of the local ops of forward + backward.
 
+With a "pp" axis the plan plays each stage's first rank, in stage order, laid out by the library's
+`pipeline` (the schedule, micro-batches and stage parallelisms a real run uses). torch's schedules cannot run
+on meta tensors (their P2P warm-up reads values), so `MetaSchedule` replays torch's gpipe / 1f1b order for
+the rank's stage itself (forward, loss on the last stage, backward per micro-batch) and books the sends
+torch's stage posts (activations forward, input gradients backward, each on axis "pp" as "send", as
+`CountedStage` counts them on a real run); what the previous stage hands on comes from its own plan
+(`PipelinePeers`). Both sides count a steady-state step: the first `Pipeline.step` (the once-per-shape
+stage probe, and on a real run torch's metadata inference, an extra forward and input-gradient pass) runs
+uncounted. A stage's activation bytes are one micro-batch's saved storages (`FirstMicroBatch`, the same
+hooks on meta and on a real run) times the micro-batches in flight on it: 1f1b min(microbatches,
+pp - stage), gpipe all of them. Interleaved and zero-bubble schedules are refused (PP_NOT_YET).
+
 Two things are assumptions, stated in the record: a mixture-of-experts router has no values on meta, so
 the token exchange assumes balanced routing (every rank sends and receives an even share; counts are exact,
 all_to_all bytes are the balanced figure); and the predicted peak is parameters + gradients + optimizer
@@ -36,9 +48,9 @@ AXES = ("pp", "dp", "ep", "tp", "cp")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 LEVELS = ("level1", "level2", "level3")
 RECOMPUTE = ("none", "full")
-PP_NOT_YET = ("a mesh with pp > 1 cannot be planned yet: torch.distributed.pipelining's schedule does not run on "
-              "meta tensors (its P2P warm-up vote reads a value with .item()); plan the mesh without pp, i.e. one "
-              "stage's ranks, with --set num_hidden_layers=<layers per stage>")
+PP_NOT_YET = ("pipeline schedule {schedule!r} cannot be planned yet: the planner replays the gpipe and 1f1b orders "
+              "(one stage per rank) itself, not the interleaved or zero-bubble ones; plan with --schedule 1f1b or "
+              "gpipe")
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes")
 
 
@@ -394,18 +406,22 @@ def _recompute(model, policy: str) -> None:
             "use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), FusedSdpa())})
 
 
-def plan_rank(config, mesh: Mapping[str, int], rank: int, options: dict) -> dict:
+def plan_rank(config, mesh: Mapping[str, int], rank: int, options: dict,
+              peers: "PipelinePeers | None" = None) -> dict:
     """Play `rank` of the run on a fake process group: lay the meta model out with the library, run one
-    training step on meta tensors, and return what that rank holds and sends."""
+    training step on meta tensors, and return what that rank holds and sends. `peers`: with pp, what the
+    stages planned before this one sent (plan() plays the stages in order)."""
     _fresh_group(math.prod(mesh.values()), rank)
-    return run_step(config, mesh, options, "meta")
+    return run_step(config, mesh, options, "meta", peers=peers)
 
 
-def run_step(config, mesh: Mapping[str, int], options: dict, device: str) -> dict:
+def run_step(config, mesh: Mapping[str, int], options: dict, device: str,
+             peers: "PipelinePeers | None" = None) -> dict:
     """One training step of this rank on the process group that is up (the fake one when planning, gloo when
     `--verify` measures), the model built on `device` ("meta": nothing allocated; "cpu": a real run), laid
     out by the library's entry functions; returns what the step allocated and sent. Planning and measuring
-    run this same function: the only difference is the device and the process group."""
+    run this same function: the only difference is the device and the process group (and, with pp, the
+    schedule: torch's on a real run, `MetaSchedule` on meta)."""
     import hyper_parallel as hp
     if device != "meta":
         torch.manual_seed(0)
@@ -414,14 +430,16 @@ def run_step(config, mesh: Mapping[str, int], options: dict, device: str) -> dic
     dmesh = hp.init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
     hsdp = _hsdp_kwargs(options) if "dp" in mesh else None
     cp = (options.get("cp_method") or "ring") if "cp" in mesh else None
-    flops = local_flop_counter()
     with meta_kernels():
+        if "pp" in mesh:
+            return _pipeline_step(model, config, dmesh, options, device, hsdp, cp, peers or PipelinePeers())
         hp.parallelize(model, dmesh, hsdp=hsdp, cp=cp)
         params = list(model.parameters())
         param_bytes, param_keys = _storages(params)
         saved = SavedTensors(skip=param_keys)
         batch = _inputs(options["micro_batch"], options["seq"], config, device)
         opt = torch.optim.AdamW(params, lr=1e-4)
+        flops = local_flop_counter()
         with hp.comm_counter() as comm:   # the step only: laying out (a real run's broadcast of the init) is not
             with flops:
                 with saved.recording():
@@ -429,6 +447,12 @@ def run_step(config, mesh: Mapping[str, int], options: dict, device: str) -> dic
                 activation_bytes = saved.bytes()
                 out.loss.backward()
             opt.step()
+    return _step_record(params, param_bytes, opt, activation_bytes, comm, flops)
+
+
+def _step_record(params: list, param_bytes: int, opt, activation_bytes: int, comm, flops) -> dict:
+    """What one step left this rank holding (gradients, optimizer state) and what it sent."""
+    param_keys = {_key(_local(p)) for p in params}
     grad_bytes, grad_keys = _storages([p.grad for p in params], skip=param_keys)
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     optimizer_bytes, _ = _storages(state, skip=param_keys | grad_keys)
@@ -439,6 +463,189 @@ def run_step(config, mesh: Mapping[str, int], options: dict, device: str) -> dic
             "collectives_by_axis": {a: {k: {"count": c, "bytes": b} for k, (c, b) in sorted(kinds.items())}
                                     for a, kinds in sorted(comm.by_axis.items())},
             "flops": int(flops.get_total_flops())}
+
+
+# ---- pipeline parallel ---------------------------------------------------------------------------------------
+PLANNED_SCHEDULES = ("1f1b", "gpipe")
+
+
+def in_flight(schedule: str, microbatches: int, pp: int, stage: int) -> int:
+    """Micro-batches whose saved activations a stage holds at once: gpipe runs every forward before any
+    backward (all of them); 1f1b starts backwards once the pipe is full, after pp - stage forwards (torch's
+    Schedule1F1B warm-up), so the first stage holds the most."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, pp - stage)
+
+
+def _order(schedule: str, microbatches: int, pp: int, stage: int) -> list[tuple[str, int]]:
+    """The (forward "F" / backward "B", micro-batch) order torch's schedule runs on `stage`."""
+    warm = in_flight(schedule, microbatches, pp, stage)
+    order = [("F", i) for i in range(warm)]
+    for i in range(microbatches):
+        order.append(("B", i))
+        if warm + i < microbatches:
+            order.append(("F", warm + i))
+    return order
+
+
+def _pipeline_step(model, config, dmesh, options: dict, device: str, hsdp, cp, peers: "PipelinePeers") -> dict:
+    """`run_step` for a mesh with "pp": the model cut and laid out by the library's pipeline (the schedule,
+    micro-batches and stage parallelisms a real run uses), then two `Pipeline.step`s, the second counted.
+    The first is the once-per-shape warm-up (the stage probe; on a real run torch's metadata inference too,
+    an extra forward and input-gradient pass), so what is counted is a steady-state step. On meta the
+    pipeline's schedule is `MetaSchedule`, on a real run torch's; both run this rank's stage through the
+    same hooks, so the activations of its first micro-batch are recorded the same way."""
+    import hyper_parallel as hp
+    from ..parallel.pipeline.api import build_pipeline
+    m = int(options["microbatches"])
+    pipe = build_pipeline(model, dmesh, "pp", schedule=options["schedule"], n_microbatches=m,
+                          initialize=device != "meta", hsdp=hsdp, cp=cp)
+    if device == "meta":
+        peers.install(pipe)
+    params = list(pipe.parameters())
+    param_bytes, param_keys = _storages(params)
+    first = FirstMicroBatch(pipe, SavedTensors(skip=param_keys))
+    batch = _inputs(options["micro_batch"] * m, options["seq"], config, device)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    pipe.step(batch["input_ids"], labels=batch["labels"])
+    opt.zero_grad(set_to_none=True)
+    first.arm()
+    flops = local_flop_counter()
+    with hp.comm_counter() as comm:
+        with flops:
+            pipe.step(batch["input_ids"], labels=batch["labels"])
+        opt.step()
+    stage = pipe.specs[0].index
+    activation_bytes = first.bytes * in_flight(options["schedule"], m, pipe.pp, stage)
+    return _step_record(params, param_bytes, opt, activation_bytes, comm, flops)
+
+
+class FirstMicroBatch:
+    """`SavedTensors` over the first micro-batch this rank's stage trains on once armed: the stage's
+    forward, and on the last stage the loss after it (its log-softmax is held for backward too).
+
+    Hooks on the stage module and a wrapper over the pipeline's loss, put in before the first step: torch's
+    schedule keeps the loss function it was built with, so it must be built calling the wrapper. The same
+    recorder serves a real run (torch's schedule) and a meta one (`MetaSchedule`). Forwards without
+    gradients (the stage probe) are not recorded."""
+
+    def __init__(self, pipe, saved: SavedTensors):
+        self.saved, self.state, self.bytes = saved, "idle", 0
+        self.last = pipe.specs[0].last
+        self._recording = None
+        view = pipe.stages[0]
+        view.register_forward_pre_hook(lambda module, args: self._start())
+        view.register_forward_hook(lambda module, args, out: None if self.last else self._stop())
+        loss = pipe._loss
+
+        def recorded_loss(*args, **kwargs):
+            out = loss(*args, **kwargs)
+            self._stop()
+            return out
+        pipe._loss = recorded_loss
+
+    def arm(self) -> None:
+        self.state = "armed"
+
+    def _start(self) -> None:
+        if self.state == "armed" and torch.is_grad_enabled():
+            self._recording = self.saved.recording()
+            self._recording.__enter__()
+            self.state = "recording"
+
+    def _stop(self) -> None:
+        if self.state == "recording":
+            self._recording.__exit__(None, None, None)
+            self.bytes = self.saved.bytes()
+            self.state = "done"
+
+
+class PipelinePeers:
+    """What the other stages' ranks would have sent, for a pipeline played on meta tensors over the fake
+    process group (which moves nothing): `plan` plays the stages' first ranks in order, so stage s finds
+    here the outputs stage s - 1 handed on in the probe (`Pipeline._probe`), and a `MetaSchedule` replays
+    the schedule with stand-ins of those shapes."""
+
+    def __init__(self):
+        self.sent: dict = {}
+
+    def install(self, pipe) -> None:
+        pipe.stand_ins = self
+        pipe.device = torch.device("meta")
+
+    def share(self, result, index: int, mine: bool):
+        """The probe's broadcast of stage `index`'s result: this rank's own, or what that stage's rank sent."""
+        if mine:
+            self.sent[index] = result
+            return result
+        if index in self.sent:
+            return self.sent[index]
+        if 0 not in self.sent:
+            raise RuntimeError(f"hp.plan: stage {index} was not planned before the stages after it; plan the "
+                               f"pipeline's stages in order (plan() does)")
+        return ("ok", self.sent[0][1], None)   # a later stage: the probe reads only the first stage's carry
+
+    def received(self, stage: int) -> tuple:
+        """Fresh stand-ins (meta) of what stage `stage` receives each micro-batch: the previous stage's
+        outputs, floating ones requiring gradients (as torch's stage makes its receive buffers)."""
+        return tuple(torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.is_floating_point())
+                     for t in self.sent[stage - 1][2])
+
+    def schedule(self, pipe, train: bool) -> "MetaSchedule":
+        if not train:
+            raise ValueError("hp.plan plans training steps only (Pipeline.step)")
+        return MetaSchedule(pipe, self)
+
+
+class MetaSchedule:
+    """torch's gpipe / 1f1b order for this rank's one stage, replayed on meta tensors: each micro-batch's
+    forward (and, on the last stage, its loss) then backward, in `_order`, with the sends torch's stage
+    would post booked on `comm_counter` (collectives.record_send): the outputs to the next stage after
+    each forward, the gradients of the floating inputs to the previous one after each backward."""
+
+    def __init__(self, pipe, peers: PipelinePeers):
+        self.pipe, self.peers = pipe, peers
+        self.spec, self.view = pipe.specs[0], pipe.stages[0]
+
+    def step(self, *args, target=None, losses=None, return_outputs=True, **kwargs):
+        pipe, spec = self.pipe, self.spec
+        n = pipe.n_microbatches
+        chunks = [torch.tensor_split(t, n) for t in args]
+        kw = {k: torch.tensor_split(v, n) for k, v in kwargs.items()}
+        targets = torch.tensor_split(target, n) if target is not None else [None] * n
+        held: dict = {}
+        for action, i in _order(pipe.schedule_name, n, pipe.pp, spec.index):
+            if action == "F":
+                held[i] = self._forward(tuple(c[i] for c in chunks), {k: v[i] for k, v in kw.items()},
+                                        targets[i], losses)
+            else:
+                self._backward(*held.pop(i))
+        return None
+
+    def _forward(self, args: tuple, kwargs: dict, target, losses: list):
+        from ..redistribute import collectives
+        inputs = args if self.spec.first else self.peers.received(self.spec.index)
+        out = self.view(*inputs, **kwargs)
+        if self.spec.last:
+            loss = self.pipe._loss(out, target)
+            losses.append(loss.detach())
+            return inputs, (loss,)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        for t in outs:
+            collectives.record_send(t, self.pipe.group)
+        return inputs, outs
+
+    def _backward(self, inputs: tuple, outs: tuple) -> None:
+        from ..redistribute import collectives
+        outs = [t for t in outs if t.requires_grad or t.grad_fn is not None]
+        grads = None if self.spec.last else [torch.ones_like(t) for t in outs]
+        torch.autograd.backward(outs, grad_tensors=grads)
+        if not self.spec.first:
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.grad is not None:
+                    collectives.record_send(t.grad, self.pipe.group)
+                    t.grad = None
 
 
 def _stage_ranks(mesh: Mapping[str, int]) -> list[int]:
@@ -473,8 +680,8 @@ def plan(model_type: str | None = None, *, world: int, mesh: str | Mapping[str, 
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute policy {recompute!r}: use one of {', '.join(RECOMPUTE)}")
     sizes = parse_mesh(mesh, world)
-    if sizes.get("pp", 1) > 1:
-        raise ValueError(PP_NOT_YET)
+    if sizes.get("pp", 1) > 1 and schedule not in PLANNED_SCHEDULES:
+        raise ValueError(PP_NOT_YET.format(schedule=schedule))
     cfg = load_config(model_type, config=config, config_file=config_file, model_path=model_path,
                       overrides=overrides)
     if layers is not None:
@@ -486,7 +693,8 @@ def plan(model_type: str | None = None, *, world: int, mesh: str | Mapping[str, 
                            schedule=schedule, microbatches=microbatches, cp_method=cp_method, recompute=recompute,
                            hsdp=hsdp, mesh=sizes)
     try:
-        stages = [plan_rank(cfg, sizes, r, options) for r in _stage_ranks(sizes)]
+        peers = PipelinePeers()   # stage s's plan reads what stage s - 1's handed on: planned in order
+        stages = [plan_rank(cfg, sizes, r, options, peers) for r in _stage_ranks(sizes)]
     finally:
         if dist.is_initialized() and dist.get_backend() == "fake":
             dist.destroy_process_group()
@@ -496,7 +704,7 @@ def plan(model_type: str | None = None, *, world: int, mesh: str | Mapping[str, 
         "world": world, "mesh": dict(sizes), "model_type": getattr(cfg, "model_type", None),
         "layers": getattr(_text_config(cfg), "num_hidden_layers", None),
         "busiest_rank": {k: busiest[k] for k in ("rank",) + BYTE_KEYS},
-        "per_stage": [{k: s[k] for k in ("rank",) + BYTE_KEYS} for s in stages],
+        "per_stage": [{k: s[k] for k in ("rank",) + BYTE_KEYS + ("collectives_by_axis",)} for s in stages],
         "collectives": busiest["collectives"], "collectives_by_axis": busiest["collectives_by_axis"],
         "flops_per_rank": busiest["flops"],
         "pipeline": ({"schedule": schedule, "microbatches": microbatches, "stages_per_rank": 1}
@@ -504,7 +712,11 @@ def plan(model_type: str | None = None, *, world: int, mesh: str | Mapping[str, 
         "seq": int(seq), "micro_batch": int(micro_batch), "dtype": dtype, "recompute": recompute,
         "optimizer_level": optimizer_level, "cp_method": cp_method,
         "assumptions": ("mixture-of-experts routing balanced (all_to_all bytes are the even-share figure); peak = "
-                        "parameters + gradients + optimizer state + activations of the micro-batches in flight"),
+                        "parameters + gradients + optimizer state + activations of the micro-batches in flight"
+                        + ("; pipeline: a steady-state step (the first step's once-per-shape probe and torch's "
+                           "metadata inference not counted), activations = one micro-batch's saved bytes x the "
+                           "micro-batches in flight on the stage (1f1b: min(microbatches, pp - stage); gpipe: "
+                           "all microbatches)" if "pp" in sizes else "")),
     }
     record["elapsed_s"] = round(time.perf_counter() - start, 3)
     return record
@@ -633,24 +845,25 @@ def verify(record: Mapping[str, Any], config, options: dict) -> dict:
 
 
 def comparison(record: Mapping[str, Any], measured: Mapping[int, dict]) -> list[tuple[str, Any, Any, bool]]:
-    """(quantity, predicted, measured, equal) for every planned rank: bytes, and each collective's count and
-    bytes per axis; activation and peak bytes are compared within 15%, the rest exactly."""
+    """(quantity, predicted, measured, equal) for every planned rank (each pipeline stage's first): bytes, and
+    each collective's count and bytes per axis; activation and peak bytes are compared within 15%, the rest
+    exactly."""
     rows = []
     for stage in record["per_stage"]:
-        m = measured[stage["rank"]]
+        rank = stage["rank"]
+        m = measured[rank]
         for key in BYTE_KEYS:
             p, v = stage[key], m[key]
             ok = p == v if key in ("param_bytes", "grad_bytes", "optimizer_bytes") else abs(p - v) <= 0.15 * max(v, 1)
-            rows.append((f"rank {stage['rank']} {key}", p, v, ok))
-    if len(record["per_stage"]) == 1:
-        m = measured[record["busiest_rank"]["rank"]]
-        pred, got = record["collectives_by_axis"], m["collectives_by_axis"]
+            rows.append((f"rank {rank} {key}", p, v, ok))
+        pred = stage.get("collectives_by_axis", record["collectives_by_axis"])
+        got = m["collectives_by_axis"]
         for axis in sorted(set(pred) | set(got)):
             for kind in sorted(set(pred.get(axis, {})) | set(got.get(axis, {}))):
                 a = pred.get(axis, {}).get(kind, {"count": 0, "bytes": 0})
                 b = got.get(axis, {}).get(kind, {"count": 0, "bytes": 0})
-                rows.append((f"{axis} {kind} count", a["count"], b["count"], a["count"] == b["count"]))
-                rows.append((f"{axis} {kind} bytes", a["bytes"], b["bytes"], a["bytes"] == b["bytes"]))
+                rows.append((f"rank {rank} {axis} {kind} count", a["count"], b["count"], a["count"] == b["count"]))
+                rows.append((f"rank {rank} {axis} {kind} bytes", a["bytes"], b["bytes"], a["bytes"] == b["bytes"]))
     return rows
 
 

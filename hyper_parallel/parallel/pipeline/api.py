@@ -236,6 +236,10 @@ class Pipeline:
         self._owner_meshes = stage_owner_meshes(mesh, mesh.axis_index(axis))
         self._valid_tokens = 1
         self._loss_scale = 1.0
+        # hp.plan's stand-ins for the other stages' ranks when this rank is played on meta tensors over a fake
+        # process group, which moves nothing (tools/plan.py, PipelinePeers): what the probe's broadcasts would
+        # have brought, and the schedule that replaces torch's (whose P2P warm-up reads values)
+        self.stand_ins = None
 
     # ---- the parameters, as the optimizer and the checkpoint see them --------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -288,7 +292,7 @@ class Pipeline:
         valid = (shift != IGNORE_INDEX).sum().to(torch.float32).reshape(1).to(self.device)
         for group in self._data_groups:   # the valid tokens of the global batch
             collectives.all_reduce_(valid, group)
-        self._valid_tokens = max(float(valid), 1.0)
+        self._valid_tokens = 1.0 if valid.is_meta else max(float(valid), 1.0)   # meta (hp.plan): no values
         self._loss_scale = float(self.dp)
         schedule = self._prepare(input_ids, inputs, train=True)
         losses: list = []
@@ -433,7 +437,7 @@ class Pipeline:
                     result = ("ok", spec, None if index == n_stages - 1 else tuple(out))
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
                     result = ("error", f"{type(e).__name__}: {e}", index)
-            result = collectives.broadcast_object(result, dist.get_global_rank(self.group, owner), self.group)
+            result = self._share(result, index, owner)
             if result[0] == "error":
                 self._carry.pop("spec", None)
                 raise ValueError(f"pipeline: stage {result[2]} (on pp rank {owner}) refused this micro-batch: "
@@ -441,6 +445,12 @@ class Pipeline:
             _, spec, received = result
             self._carry["spec"] = spec
         return spec
+
+    def _share(self, result, index: int, owner: int):
+        """The probe's result for stage `index`, from its owner (a broadcast over the pp group)."""
+        if self.stand_ins is not None:
+            return self.stand_ins.share(result, index, owner == self.mesh.get_local_rank(self.axis))
+        return collectives.broadcast_object(result, dist.get_global_rank(self.group, owner), self.group)
 
     def _schedule(self, batch_shape: tuple, train: bool):
         """The torch schedule for this micro-batch shape (stages infer their P2P shapes on first use); on a pp
@@ -453,6 +463,8 @@ class Pipeline:
         """
         if self.pp == 1:
             return _Sequential(self, train)
+        if self.stand_ins is not None:
+            return self.stand_ins.schedule(self, train)
         key = (batch_shape, train)
         if key not in self._schedules:
             stages = [CountedStage(view, spec.index, spec.n_stages, self.device, group=self.group)
