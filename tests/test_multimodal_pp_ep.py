@@ -40,9 +40,10 @@ def _image_row(gen, seq_text=6):
     return row
 
 
-def build(kind: str, layers: int = 4, even_labels: bool = False):
+def build(kind: str, layers: int = 4, even_labels: bool = False, pad_to: int = 1):
     """(model, inputs, labels): a tiny random model, identical in every process, and its global batch (one
-    image per sample; audio too for the Omni thinker)."""
+    image per sample; audio too for the Omni thinker), right-padded to a multiple of `pad_to` tokens (mask 0,
+    labels -100: what context parallelism asks for)."""
     import transformers
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(7)
@@ -102,13 +103,24 @@ def build(kind: str, layers: int = 4, even_labels: bool = False):
     labels[ids >= IMAGE] = -100
     if not even_labels:   # micro-batches / shares with different numbers of valid tokens
         labels[2, :3] = -100
-    return model, dict(input_ids=ids, **inputs), labels
+    return model, *_pad_tokens(dict(input_ids=ids, **inputs), labels, pad_to)
 
 
-def reference(kind: str, even_labels: bool = False, names: tuple | None = None):
+def _pad_tokens(inputs: dict, labels, multiple: int):
+    """The per-token inputs (ids, mask, token types) and labels right-padded to a multiple of `multiple`."""
+    extra = -labels.shape[1] % multiple
+    if not extra:
+        return inputs, labels
+    pad = torch.nn.functional.pad
+    inputs = {k: pad(v, (0, extra)) if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+              for k, v in inputs.items()}
+    return inputs, pad(labels, (0, extra), value=-100)
+
+
+def reference(kind: str, even_labels: bool = False, names: tuple | None = None, pad_to: int = 1):
     """One plain process: the loss and every gradient of one step on the global batch (only the inputs
     `names`, if given)."""
-    model, inputs, labels = build(kind, even_labels=even_labels)
+    model, inputs, labels = build(kind, even_labels=even_labels, pad_to=pad_to)
     inputs = inputs if names is None else {k: inputs[k] for k in names}
     loss = model(**inputs, labels=labels).loss
     loss.backward()

@@ -92,7 +92,9 @@ class SequenceSplit:
     def refuse(self, inputs: dict) -> str | None:
         """Why these inputs cannot be split over the axis (decided from shapes, before anything runs)."""
         if inputs.get("past_key_values") is not None or inputs.get("cache") is not None:
-            return ("context_parallel: a KV cache (generation) is not supported; call the model without "
+            return ("context_parallel: a KV cache (model.generate, or a call with past_key_values/cache) is not "
+                    "supported: context parallelism runs training and prefill forwards, not decoding; generate "
+                    "with the model before context_parallel (or a copy of it), and call this one without "
                     "past_key_values/cache")
         ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         if ref is None:

@@ -1,0 +1,82 @@
+"""Context parallelism on the requirement's multimodal models fed an image (and audio for the Omni thinker), on 2
+gloo ranks against one plain process on the same global batch (API §9, §16): the language sequence, placeholder
+tokens included, is split; the 3-D rotary positions stay global; the towers run as on one device and keep their
+own attention. Loss and every gradient within 1e-5; generate and unsplittable inputs refused on every rank."""
+from __future__ import annotations
+
+import pytest
+
+from tests.test_multimodal_pp_ep import TOL, build, check, reference
+
+
+
+def _pad(world: int) -> int:
+    return 2 * world  # each rank holds two chunks of the sequence
+
+
+def _cp_step(rank, world, kind, method):
+    """Worker: one training step of context_parallel over ("cp",), every rank fed the whole global batch; the
+    loss, every gradient (whole) and the attention implementation of each config."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model, inputs, labels = build(kind, pad_to=_pad(world))
+    hp.context_parallel(model, mesh, "cp", method)
+    loss = model(**inputs, labels=labels).loss
+    loss.backward()
+    full = hp.DTensor.full_tensor
+    grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    towers = {name: getattr(model.config, name)._attn_implementation
+              for name in ("text_config", "vision_config", "audio_config") if hasattr(model.config, name)}
+    return (full(loss).item(), grads), towers
+
+
+def _reference(world: int):
+    return lambda kind: reference(kind, pad_to=_pad(world))
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_thinker"])
+def test_cp2_with_image_matches_one_process(dist2, kind, method):
+    results = dist2.run(_cp_step, kind, method)
+    check([step for step, _ in results], kind, _reference(2))
+    towers = results[0][1]
+    assert towers.pop("text_config").startswith(f"hyper_parallel_cp_{method}"), towers
+    assert all(not impl.startswith("hyper_parallel") for impl in towers.values()), towers
+
+
+def test_cp2_allgather_qwen3_vl(dist2):
+    results = dist2.run(_cp_step, "qwen3_vl", "allgather")
+    check([step for step, _ in results], "qwen3_vl", _reference(2))
+
+
+def test_cp4_ring_qwen3_vl_some_ranks_without_image_tokens(dist4):
+    """Chunks of 2 of 16 tokens: the image (positions 3-6) lies on ranks 1-3 (chunks 1-3), rank 0 adds no
+    deepstack row."""
+    results = dist4.run(_cp_step, "qwen3_vl", "ring")
+    check([step for step, _ in results], "qwen3_vl", _reference(4))
+
+
+def _refusals(rank, world):
+    """Worker: what context parallelism cannot take is refused on every rank, from shapes, with the fix named."""
+    import torch
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model, inputs, labels = build("qwen3_vl", layers=1)
+    hp.context_parallel(model, mesh, "cp", "ring")
+    seen = []
+    with pytest.raises(hp.FeedError, match=f"multiple of 2 x 'cp' size = {_pad(world)}") as e:
+        model(**inputs, labels=labels)   # 14 tokens
+    seen.append(str(e.value))
+    _, inputs, labels = build("qwen3_vl", layers=1, pad_to=_pad(world))
+    batch, seq = labels.shape
+    with pytest.raises(hp.FeedError, match=r"position_ids of shape \(3, 4, 12\) do not match"):
+        model(**inputs, labels=labels, position_ids=torch.zeros(3, batch, seq - 4, dtype=torch.long))
+    model.eval()
+    with pytest.raises(hp.FeedError, match="model.generate.*not decoding"):
+        model.generate(**inputs, max_new_tokens=2)
+    return seen
+
+
+def test_refusals_on_every_rank(dist2):
+    messages = dist2.run(_refusals)
+    assert messages[0] == messages[1]
