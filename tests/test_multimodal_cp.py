@@ -14,13 +14,17 @@ def _pad(world: int) -> int:
     return 2 * world  # each rank holds two chunks of the sequence
 
 
-def _cp_step(rank, world, kind, method):
-    """Worker: one training step of context_parallel over ("cp",), every rank fed the whole global batch; the
-    loss, every gradient (whole) and the attention implementation of each config."""
+def _cp_step(rank, world, kind, method, tp=1):
+    """Worker: one training step of context_parallel over "cp" (with `shard(model, "auto")` on "tp" inside each
+    context rank where tp > 1, through parallelize), every rank fed the whole global batch; the loss, every
+    gradient (whole) and the attention implementation of each config."""
     import hyper_parallel as hp
-    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    model, inputs, labels = build(kind, pad_to=_pad(world))
-    hp.context_parallel(model, mesh, "cp", method)
+    cp = world // tp
+    model, inputs, labels = build(kind, pad_to=_pad(cp))
+    if tp == 1:
+        hp.context_parallel(model, hp.init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), "cp", method)
+    else:
+        hp.parallelize(model, hp.init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp")), tp="auto", cp=method)
     loss = model(**inputs, labels=labels).loss
     loss.backward()
     full = hp.DTensor.full_tensor
@@ -56,6 +60,14 @@ def test_cp4_ring_qwen3_vl_some_ranks_without_image_tokens(dist4):
     check([step for step, _ in results], "qwen3_vl", _reference(4))
 
 
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe"])
+def test_cp2_tp2_with_image(dist4, kind):
+    """Under tp the towers' outputs reach the language model as plain tensors, the same on every rank: their
+    gradients (embeddings, deepstack rows) are summed back whole over "cp"."""
+    results = dist4.run(_cp_step, kind, "ring", 2)
+    check([step for step, _ in results], kind, _reference(2))
+
+
 def _refusals(rank, world):
     """Worker: what context parallelism cannot take is refused on every rank, from shapes, with the fix named."""
     import torch
@@ -80,3 +92,17 @@ def _refusals(rank, world):
 def test_refusals_on_every_rank(dist2):
     messages = dist2.run(_refusals)
     assert messages[0] == messages[1]
+
+
+def _pipeline_refusal(rank, world):
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (2, 2), ("pp", "cp"))
+    model, _, _ = build("qwen3_vl", layers=2)
+    with pytest.raises(NotImplementedError, match="context parallelism .'cp' axis. inside the stages"):
+        hp.pipeline(model, mesh, schedule="1f1b", n_microbatches=2, cp="ring")
+    return True
+
+
+def test_cp_inside_pipeline_stages_of_a_multimodal_model_refused(dist4):
+    """Later stages never call the language model, where the split is made: refused up front on every rank."""
+    dist4.run(_pipeline_refusal)

@@ -49,11 +49,11 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     if settings.parts == 1:  # one rank holds the whole sequence: the model's own attention is exact
         record_applied(model, f"cp: axis {axis!r} of size 1, the sequence is not split")
         return model
-    # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
-    # and runs as on one device
     language = language_model_of(model)
     if language is not None:
         check_language_model(language)  # before the config changes: a refusal leaves the model as it was
+    # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
+    # and runs as on one device
     config._attn_implementation = register_attention(settings)
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
     if language is None:
@@ -108,7 +108,8 @@ class SequenceSplit:
                     f"e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
                     "attention_mask 0 and labels -100 on the padding")
         positions = inputs.get("position_ids")
-        rows = isinstance(positions, Tensor) and positions.ndim == 3  # 3-D rotary positions (rows, batch, seq)
+        # a multimodal model's 3-D rotary positions (rows, batch, seq)
+        rows = not self.split_here and isinstance(positions, Tensor) and positions.ndim == 3
         names = ("attention_mask", "labels") + (() if rows else ("position_ids",))
         problem = feed.token_inputs_problem("context_parallel", inputs, batch, seq_len, names)
         if problem or rows:
@@ -180,10 +181,11 @@ def _padding_mask(settings: ContextSettings, mask: Tensor):
 
 
 def split(settings: ContextSettings, t: Tensor, zigzag: bool, dim: int = SEQ_DIM) -> DTensor:
-    """Split dim `dim` (the sequence) over the axis: a whole tensor by slicing; a DTensor from its layout,
-    by differentiable DTensor ops (a whole one, e.g. a multimodal model's embeddings computed on every rank,
-    gets its gradient gathered back whole)."""
+    """Split dim `dim` (the sequence) over the axis: a whole tensor by slicing; a DTensor from its layout, and
+    a tensor that takes a gradient (a multimodal model's embeddings, computed on every rank), by
+    differentiable DTensor ops, so that its gradient comes back whole."""
     axis, rank, parts = settings.axis_index, settings.rank, settings.parts
+    t = replicated_if_grad(settings, t)
     if not isinstance(t, DTensor):
         layout = replicate_layout(settings.mesh, t.ndim)
         local = zigzag_slice(t, dim, rank, parts) if zigzag else t.chunk(parts, dim)[rank]
@@ -203,6 +205,14 @@ def split(settings: ContextSettings, t: Tensor, zigzag: bool, dim: int = SEQ_DIM
         order = torch.cat([token_index(r, parts, chunk, t.device) for r in range(parts)])
         whole = whole.index_select(dim, order)
     return whole.redistribute(_split_layout(settings, layout, dim))
+
+
+def replicated_if_grad(settings: ContextSettings, t: Tensor) -> Tensor:
+    """A plain tensor that takes a gradient, as the replicated DTensor it is (the same value on every rank,
+    e.g. a tower's output under tp), so that each rank's part of its gradient is summed back whole."""
+    if isinstance(t, DTensor) or not (t.requires_grad and torch.is_grad_enabled()):
+        return t
+    return DTensor.from_local(t, replicate_layout(settings.mesh, t.ndim))
 
 
 def _split_layout(settings: ContextSettings, layout, dim: int):

@@ -86,6 +86,7 @@ def _rows_of_rank(settings: ContextSettings, rows: Tensor, visual: Tensor) -> Te
     order = (visual.flatten().cumsum(0) - 1).reshape(visual.shape)
     mine = zigzag_slice(order, sequence.SEQ_DIM, settings.rank, settings.parts)[
         zigzag_slice(visual, sequence.SEQ_DIM, settings.rank, settings.parts)]
+    rows = sequence.replicated_if_grad(settings, rows)
     if not isinstance(rows, DTensor):
         return rows.index_select(0, mine.to(rows.device))
     return _RowsOfRank.apply(rows, mine.to(rows.device), settings)
