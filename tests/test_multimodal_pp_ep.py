@@ -8,6 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyper_parallel.tools.model_inputs import pad_tokens
+
 VOCAB = 128
 IMAGE, VIDEO, VSTART, VEND, AUDIO, ASTART, AEND = 120, 121, 122, 123, 124, 125, 126
 BATCH = 4
@@ -103,18 +105,7 @@ def build(kind: str, layers: int = 4, even_labels: bool = False, pad_to: int = 1
     labels[ids >= IMAGE] = -100
     if not even_labels:   # micro-batches / shares with different numbers of valid tokens
         labels[2, :3] = -100
-    return model, *_pad_tokens(dict(input_ids=ids, **inputs), labels, pad_to)
-
-
-def _pad_tokens(inputs: dict, labels, multiple: int):
-    """The per-token inputs (ids, mask, token types) and labels right-padded to a multiple of `multiple`."""
-    extra = -labels.shape[1] % multiple
-    if not extra:
-        return inputs, labels
-    pad = torch.nn.functional.pad
-    inputs = {k: pad(v, (0, extra)) if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
-              for k, v in inputs.items()}
-    return inputs, pad(labels, (0, extra), value=-100)
+    return model, *pad_tokens(dict(input_ids=ids, **inputs), labels, pad_to)
 
 
 def reference(kind: str, even_labels: bool = False, names: tuple | None = None, pad_to: int = 1):
