@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_multimodal_pp_ep import TOL, build, check, reference
+from tests.test_multimodal_pp_ep import IMAGE, build, check, reference
 
 
 
@@ -83,6 +83,8 @@ def _refusals(rank, world):
     batch, seq = labels.shape
     with pytest.raises(hp.FeedError, match=r"position_ids of shape \(3, 4, 12\) do not match"):
         model(**inputs, labels=labels, position_ids=torch.zeros(3, batch, seq - 4, dtype=torch.long))
+    with pytest.raises(hp.FeedError, match="token_type_ids mark image / prefix tokens"):
+        model(**inputs, labels=labels, token_type_ids=(inputs["input_ids"] == IMAGE).long())  # Gemma3's form
     model.eval()
     with pytest.raises(hp.FeedError, match="model.generate.*not decoding"):
         model.generate(**inputs, max_new_tokens=2)

@@ -107,6 +107,10 @@ class SequenceSplit:
                     f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); pad the batch, "
                     f"e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
                     "attention_mask 0 and labels -100 on the padding")
+        if not self.split_here and _marks_bidirectional_tokens(inputs.get("token_type_ids")):
+            return ("context_parallel: token_type_ids mark image / prefix tokens, which this multimodal model "
+                    "attends bidirectionally (Gemma3, PaliGemma); context-parallel attention is causal (with "
+                    "padding and sliding windows) only: run such inputs without context parallelism")
         positions = inputs.get("position_ids")
         # a multimodal model's 3-D rotary positions (rows, batch, seq)
         rows = not self.split_here and isinstance(positions, Tensor) and positions.ndim == 3
@@ -142,6 +146,11 @@ class SequenceSplit:
         return (), kwargs
 
 
+def _marks_bidirectional_tokens(token_types) -> bool:
+    """Do a multimodal model's token_type_ids mark any token (the blocks its mask makes bidirectional)?"""
+    return isinstance(token_types, Tensor) and not isinstance(token_types, DTensor) and bool(token_types.any())
+
+
 def _rotary_rows_problem(positions: Tensor, batch: int, seq_len: int) -> str | None:
     """Why 3-D rotary position ids (rows, batch, seq), e.g. Qwen3-VL's mrope ones, do not fit the batch."""
     if tuple(positions.shape[1:]) not in ((batch, seq_len), (1, seq_len)):
@@ -159,9 +168,12 @@ def split_sequence(settings: ContextSettings, kwargs: dict, ref: Tensor) -> None
     plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = plain_positions
+    ones = torch.ones_like(plain_positions.expand(ref.shape[0], -1))
     mask = kwargs.get("attention_mask")
-    kwargs["attention_mask"] = _padding_mask(settings, torch.ones_like(plain_positions.expand(ref.shape[0], -1))
-                                             if mask is None else mask)
+    if isinstance(mask, dict):  # built by a multimodal base model, one per layer type (Gemma3): 2D padding masks
+        kwargs["attention_mask"] = {k: _padding_mask(settings, ones if m is None else m) for k, m in mask.items()}
+    else:
+        kwargs["attention_mask"] = _padding_mask(settings, ones if mask is None else mask)
     for name in ZIGZAG_INPUTS[2:] + ZIGZAG_INPUTS[:1]:
         value = kwargs.get(name)
         if value is not None:

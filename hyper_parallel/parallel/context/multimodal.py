@@ -27,6 +27,8 @@ from .attention import ContextSettings
 from .zigzag import zigzag_slice
 
 DEEPSTACK = "deepstack_visual_embeds"
+# the language model's inputs split by name (the rest: any tensor shaped (batch, seq, ...) is split as a per-token one)
+_NAMED = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "visual_pos_masks", DEEPSTACK)
 
 
 def language_model_of(model: nn.Module) -> nn.Module | None:
@@ -69,6 +71,11 @@ def _split_inputs(settings: ContextSettings, module: nn.Module, args: tuple, kwa
     ref = kwargs.get("inputs_embeds") if kwargs.get("inputs_embeds") is not None else kwargs.get("input_ids")
     if ref is None:
         return (), kwargs
+    batch, seq_len = ref.shape[:2]
+    for name, value in kwargs.items():  # e.g. Gemma4's per_layer_inputs (batch, seq, layers, dim)
+        if name not in _NAMED and isinstance(value, Tensor) and value.ndim >= 2 \
+                and tuple(value.shape[:2]) == (batch, seq_len):
+            kwargs[name] = sequence.split(settings, value, zigzag=True)
     visual = kwargs.get("visual_pos_masks")
     if visual is not None and kwargs.get(DEEPSTACK) is not None:
         kwargs[DEEPSTACK] = [_rows_of_rank(settings, rows, visual) for rows in kwargs[DEEPSTACK]]
