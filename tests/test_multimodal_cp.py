@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_multimodal_pp_ep import IMAGE, build, check, reference
+from tests.test_multimodal_pp_ep import IMAGE, build, check, expert_step, reference
 
 
 
@@ -66,6 +66,14 @@ def test_cp2_tp2_with_image(dist4, kind):
     gradients (embeddings, deepstack rows) are summed back whole over "cp"."""
     results = dist4.run(_cp_step, kind, "ring", 2)
     check([step for step, _ in results], kind, _reference(2))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_omni_thinker"])
+def test_dp2_cp2_hsdp_with_image(dist4, kind):
+    """Each dp rank feeds its share (images included) whole over "cp"; hsdp averages the dp replicas (shares
+    with equal valid tokens)."""
+    results = dist4.run(expert_step, kind, (2, 2), ("dp", "cp"), True, True, None, _pad(2))
+    check(results, kind, lambda kind: reference(kind, even_labels=True, pad_to=_pad(2)))
 
 
 def _refusals(rank, world):

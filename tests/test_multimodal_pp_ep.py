@@ -191,14 +191,14 @@ def text_reference(kind: str, even_labels: bool = False):
     return reference(kind, even_labels, _TEXT_INPUTS)
 
 
-def expert_step(rank, world, kind, shape, names, even_labels=False, media=False, hsdp=None):
+def expert_step(rank, world, kind, shape, names, even_labels=False, media=False, hsdp=None, pad_to=1):
     """Worker: one training step of expert_parallel (names ("ep",)) / parallelize on `names` (hsdp: its
     arguments, {"threshold": 0} by default on a "dp" axis), each data rank feeding its share of the batch: text
     only, or with `media` its samples' images (pixel rows and grids) and audio too; loss (mean over the global
-    batch) and gradients."""
+    batch) and gradients; sequences padded to a multiple of `pad_to` (2 x cp on a "cp" axis)."""
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", shape, names)
-    model, inputs, labels = build(kind, even_labels=even_labels)
+    model, inputs, labels = build(kind, even_labels=even_labels, pad_to=pad_to)
     inputs = inputs if media else {k: inputs[k] for k in _TEXT_INPUTS}
     if names == ("ep",):
         hp.expert_parallel(model, mesh, "ep")
