@@ -53,8 +53,9 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     if language is not None:
         check_language_model(language)  # before the config changes: a refusal leaves the model as it was
     # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
-    # and runs as on one device
-    config._attn_implementation = register_attention(settings)
+    # and runs as on one device (a plain string would be set on the text config's sub-configs too, where the
+    # text config is the model's own: Git's, Kimi-K2.5's)
+    config._attn_implementation = {"": register_attention(settings)}
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
     if language is None:
         model.base_model.register_forward_hook(functools.partial(plain_order_outputs, settings))
