@@ -68,6 +68,31 @@ def test_cp2_tp2_with_image(dist4, kind):
     check([step for step, _ in results], kind, _reference(2))
 
 
+def _image_and_video(rank, world):
+    """Worker: the built-in Qwen3-VL case (an image and a two-frame video per sample, mm_token_type_ids) under
+    cp=2 against a copy run plainly in the same process; the loss and worst gradient difference, the summary."""
+    import copy
+    import hyper_parallel as hp
+    from hyper_parallel.tools.model_inputs import pad_tokens
+    from hyper_parallel.tools.models import build_model
+    case = build_model("qwen3_vl")
+    inputs, labels = pad_tokens(case.inputs, case.labels, _pad(world))
+    ref = copy.deepcopy(case.model)
+    model = hp.context_parallel(case.model, hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    loss, want = model(**inputs, **labels).loss, ref(**inputs, **labels).loss
+    loss.backward()
+    want.backward()
+    worst = max((hp.DTensor.full_tensor(p.grad) - r.grad).abs().max().item()
+                for p, r in zip(model.parameters(), ref.parameters()) if r.grad is not None)
+    return abs(hp.DTensor.full_tensor(loss).item() - want.item()), worst, hp.summary(model)
+
+
+def test_cp2_qwen3_vl_with_image_and_video(dist2):
+    loss, grad, summary = dist2.run(_image_and_video)[0]
+    assert loss < 1e-5 and grad < 1e-5, (loss, grad)
+    assert "at the entry of Qwen3VLTextModel" in summary, summary
+
+
 @pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_omni_thinker"])
 def test_dp2_cp2_hsdp_with_image(dist4, kind):
     """Each dp rank feeds its share (images included) whole over "cp"; hsdp averages the dp replicas (shares

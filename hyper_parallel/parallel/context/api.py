@@ -45,13 +45,13 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if method == "ulysses":
         _check_heads_divide(config, mesh, settings)
+    language = language_model_of(model)
+    if language is not None:
+        check_language_model(language)  # before anything changes: a refusal leaves the model as it was
     lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="context_parallel")
     if settings.parts == 1:  # one rank holds the whole sequence: the model's own attention is exact
         record_applied(model, f"cp: axis {axis!r} of size 1, the sequence is not split")
         return model
-    language = language_model_of(model)
-    if language is not None:
-        check_language_model(language)  # before the config changes: a refusal leaves the model as it was
     # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
     # and runs as on one device (a plain string would be set on the text config's sub-configs too, where the
     # text config is the model's own: Git's, Kimi-K2.5's)
@@ -61,7 +61,9 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
         model.base_model.register_forward_hook(functools.partial(plain_order_outputs, settings))
     else:
         split_at_language_model(language, settings)
-    record_applied(model, f"cp: sequence split over {axis!r} ({settings.parts} ranks, {method}, "
+    where = "" if language is None else (f" at the entry of {type(language).__name__} (the towers and 3-D "
+                                         "positions whole, as on one device)")
+    record_applied(model, f"cp: sequence split over {axis!r}{where} ({settings.parts} ranks, {method}, "
                           f"rank i holds chunks i and {2 * settings.parts - 1}-i)")
     return model
 
