@@ -8,6 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyper_parallel.tools.model_inputs import pad_tokens
+
 VOCAB = 128
 IMAGE, VIDEO, VSTART, VEND, AUDIO, ASTART, AEND = 120, 121, 122, 123, 124, 125, 126
 BATCH = 4
@@ -40,9 +42,10 @@ def _image_row(gen, seq_text=6):
     return row
 
 
-def build(kind: str, layers: int = 4, even_labels: bool = False):
+def build(kind: str, layers: int = 4, even_labels: bool = False, pad_to: int = 1):
     """(model, inputs, labels): a tiny random model, identical in every process, and its global batch (one
-    image per sample; audio too for the Omni thinker)."""
+    image per sample; audio too for the Omni thinker), right-padded to a multiple of `pad_to` tokens (mask 0,
+    labels -100: what context parallelism asks for)."""
     import transformers
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(7)
@@ -102,13 +105,13 @@ def build(kind: str, layers: int = 4, even_labels: bool = False):
     labels[ids >= IMAGE] = -100
     if not even_labels:   # micro-batches / shares with different numbers of valid tokens
         labels[2, :3] = -100
-    return model, dict(input_ids=ids, **inputs), labels
+    return model, *pad_tokens(dict(input_ids=ids, **inputs), labels, pad_to)
 
 
-def reference(kind: str, even_labels: bool = False, names: tuple | None = None):
+def reference(kind: str, even_labels: bool = False, names: tuple | None = None, pad_to: int = 1):
     """One plain process: the loss and every gradient of one step on the global batch (only the inputs
     `names`, if given)."""
-    model, inputs, labels = build(kind, even_labels=even_labels)
+    model, inputs, labels = build(kind, even_labels=even_labels, pad_to=pad_to)
     inputs = inputs if names is None else {k: inputs[k] for k in names}
     loss = model(**inputs, labels=labels).loss
     loss.backward()
@@ -188,14 +191,14 @@ def text_reference(kind: str, even_labels: bool = False):
     return reference(kind, even_labels, _TEXT_INPUTS)
 
 
-def expert_step(rank, world, kind, shape, names, even_labels=False, media=False, hsdp=None):
+def expert_step(rank, world, kind, shape, names, even_labels=False, media=False, hsdp=None, pad_to=1):
     """Worker: one training step of expert_parallel (names ("ep",)) / parallelize on `names` (hsdp: its
     arguments, {"threshold": 0} by default on a "dp" axis), each data rank feeding its share of the batch: text
     only, or with `media` its samples' images (pixel rows and grids) and audio too; loss (mean over the global
-    batch) and gradients."""
+    batch) and gradients; sequences padded to a multiple of `pad_to` (2 x cp on a "cp" axis)."""
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", shape, names)
-    model, inputs, labels = build(kind, even_labels=even_labels)
+    model, inputs, labels = build(kind, even_labels=even_labels, pad_to=pad_to)
     inputs = inputs if media else {k: inputs[k] for k in _TEXT_INPUTS}
     if names == ("ep",):
         hp.expert_parallel(model, mesh, "ep")

@@ -6,7 +6,8 @@
 - tp N: `shard(model, "auto")` over N processes, inputs replicated.
 - ep N: `expert_parallel(model, mesh, "ep")`: experts spread, the batch split by the model's own hook;
   a model without MoE experts is "not applicable".
-- cp N: `context_parallel(model, mesh, "cp")`: the sequence split by the model's own hook; generate mode
+- cp N: `context_parallel(model, mesh, "cp")`: the sequence split by the model's own hook (the tiny inputs padded
+  to a multiple of 2N tokens, mask 0 and labels -100, for both runs); generate mode
   compares the prefill forward (what context parallel promises); types without a decoder are "not applicable".
 - pp N: `pipeline(model, mesh, "pp")`: one training step through the stages (1F1B, 2 micro-batches), loss
   and every rank's gradients compared with the plain step; types without a decoder are "not applicable".
@@ -62,6 +63,8 @@ class Scenario:
             record: bool) -> RunReport:
         if self.name == "pp":
             return pipeline_run(name, build, self.mesh, record)
+        if self.name == "cp":
+            build = _padded(build, 2 * self.world)
         if self.name == "cp" and mode == "generate":
             build = _prefill(build)
         return _run_one(name, mode, build, max_new_tokens, self.wrap_input, self.wrap_param, record,
@@ -92,6 +95,18 @@ def _counts_experts(d: dict) -> bool:
     from .auto_models import _EXPERT_KEYS
     return any((k in _EXPERT_KEYS and isinstance(v, int) and v > 1) or (isinstance(v, dict) and _counts_experts(v))
                for k, v in d.items())
+
+
+def _padded(build: Callable[[], ModelCase], multiple: int) -> Callable[[], ModelCase]:
+    """Context parallel takes sequences of a multiple of 2 x cp tokens: the tiny inputs padded right as a
+    tokenizer's pad_to_multiple_of pads them (mask 0, labels -100), for the plain and the parallel run alike."""
+    from .model_inputs import pad_tokens
+
+    def built() -> ModelCase:
+        case = build()
+        case.inputs, case.labels = pad_tokens(case.inputs, case.labels, multiple)
+        return case
+    return built
 
 
 def _prefill(build: Callable[[], ModelCase]) -> Callable[[], ModelCase]:

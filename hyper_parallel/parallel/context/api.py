@@ -14,7 +14,8 @@ from .. import feed
 from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
 from .attention import METHODS, ContextSettings, register_attention
-from .zigzag import reorder, zigzag_slice
+from .multimodal import check_language_model, language_model_of, split_at_language_model
+from .zigzag import reorder, token_index, zigzag_slice
 
 SEQ_DIM = 1
 # inputs laid out in the load-balanced order (the attention's own order); labels stay in the plain
@@ -32,6 +33,10 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     use global positions; the base model's output comes back in the plain order (an ordinary Shard of
     the sequence over `axis`), so logits, loss and gradients equal the single-device ones. Apply after
     `shard` (heads split over "tp" inside each context rank) and before `hsdp`.
+
+    A multimodal model whose decoder is a sub-module (Qwen3-VL's `model.language_model`) is fed whole, so
+    that its towers, the placeholder scatter and the 3-D rotary positions see the whole sequence as on one
+    device; the sequence is split at the language model's entry instead (`multimodal.py`).
     """
     mesh = mesh.mesh if isinstance(mesh, (Layout, PlacementLayout)) else mesh
     if method not in METHODS:
@@ -40,16 +45,25 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if method == "ulysses":
         _check_heads_divide(config, mesh, settings)
+    language = language_model_of(model)
+    if language is not None:
+        check_language_model(language)  # before anything changes: a refusal leaves the model as it was
     lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="context_parallel")
     if settings.parts == 1:  # one rank holds the whole sequence: the model's own attention is exact
         record_applied(model, f"cp: axis {axis!r} of size 1, the sequence is not split")
         return model
     # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
-    # and runs as on one device
-    config._attn_implementation = register_attention(settings)
-    feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings))
-    model.base_model.register_forward_hook(functools.partial(_plain_order_outputs, settings))
-    record_applied(model, f"cp: sequence split over {axis!r} ({settings.parts} ranks, {method}, "
+    # and runs as on one device (a plain string would be set on the text config's sub-configs too, where the
+    # text config is the model's own: Git's, Kimi-K2.5's)
+    config._attn_implementation = {"": register_attention(settings)}
+    feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
+    if language is None:
+        model.base_model.register_forward_hook(functools.partial(plain_order_outputs, settings))
+    else:
+        split_at_language_model(language, settings)
+    where = "" if language is None else (f" at the entry of {type(language).__name__} (the towers and 3-D "
+                                         "positions whole, as on one device)")
+    record_applied(model, f"cp: sequence split over {axis!r}{where} ({settings.parts} ranks, {method}, "
                           f"rank i holds chunks i and {2 * settings.parts - 1}-i)")
     return model
 
@@ -73,13 +87,17 @@ class SequenceSplit:
     may_refuse = True  # sequence lengths change from step to step
     for_generate = False
 
-    def __init__(self, settings: ContextSettings):
+    def __init__(self, settings: ContextSettings, split_here: bool = True):
         self.settings = settings
+        # False for a multimodal model: only the labels are split here, the rest at its language model's entry
+        self.split_here = split_here
 
     def refuse(self, inputs: dict) -> str | None:
         """Why these inputs cannot be split over the axis (decided from shapes, before anything runs)."""
         if inputs.get("past_key_values") is not None or inputs.get("cache") is not None:
-            return ("context_parallel: a KV cache (generation) is not supported; call the model without "
+            return ("context_parallel: a KV cache (model.generate, or a call with past_key_values/cache) is not "
+                    "supported: context parallelism runs training and prefill forwards, not decoding; generate "
+                    "with the model before context_parallel (or a copy of it), and call this one without "
                     "past_key_values/cache")
         ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         if ref is None:
@@ -92,10 +110,17 @@ class SequenceSplit:
                     f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); pad the batch, "
                     f"e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
                     "attention_mask 0 and labels -100 on the padding")
-        problem = feed.token_inputs_problem("context_parallel", inputs, batch, seq_len)
-        if problem:
-            return problem
+        if not self.split_here and _marks_bidirectional_tokens(inputs.get("token_type_ids")):
+            return ("context_parallel: token_type_ids mark image / prefix tokens, which this multimodal model "
+                    "attends bidirectionally (Gemma3, PaliGemma); context-parallel attention is causal (with "
+                    "padding and sliding windows) only: run such inputs without context parallelism")
         positions = inputs.get("position_ids")
+        # a multimodal model's 3-D rotary positions (rows, batch, seq)
+        rows = not self.split_here and isinstance(positions, Tensor) and positions.ndim == 3
+        names = ("attention_mask", "labels") + (() if rows else ("position_ids",))
+        problem = feed.token_inputs_problem("context_parallel", inputs, batch, seq_len, names)
+        if problem or rows:
+            return problem or _rotary_rows_problem(positions, batch, seq_len)
         if positions is not None and inputs.get("attention_mask") is None and not isinstance(positions, DTensor):
             plain = torch.arange(seq_len, device=positions.device).expand(positions.shape)
             if not torch.equal(positions, plain):
@@ -106,7 +131,7 @@ class SequenceSplit:
     def restore_order(self, hidden):
         """The base model's output back in the plain sequence order (an ordinary Shard of the sequence), as
         the model's own forward hook does; a pipeline's last stage calls it before the head."""
-        return _plain_order(self.settings, hidden)
+        return plain_order(self.settings, hidden)
 
     def apply(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook body: the inputs' sequence dim split over the axis (zigzag order, global positions)."""
@@ -116,27 +141,53 @@ class SequenceSplit:
         ref = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if ref is None:
             return (), kwargs
-        seq_len = ref.shape[SEQ_DIM]
-        plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
-        if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = plain_positions
-        # always a mask: without one, transformers would read the zigzag position ids as packed sequences
-        mask = kwargs.get("attention_mask")
-        kwargs["attention_mask"] = _padding_mask(settings, torch.ones_like(plain_positions.expand(ref.shape[0], -1))
-                                                 if mask is None else mask)
-        for name in ZIGZAG_INPUTS[2:] + ZIGZAG_INPUTS[:1]:
-            if kwargs.get(name) is not None:
-                kwargs[name] = _split(settings, kwargs[name], zigzag=True)
+        if self.split_here:
+            split_sequence(settings, kwargs, ref)
         for name in PLAIN_INPUTS:
             if kwargs.get(name) is not None:
-                kwargs[name] = _split(settings, kwargs[name], zigzag=False)
+                kwargs[name] = split(settings, kwargs[name], zigzag=False)
         return (), kwargs
+
+
+def _marks_bidirectional_tokens(token_types) -> bool:
+    """Do a multimodal model's token_type_ids mark any token (the blocks its mask makes bidirectional)?"""
+    return isinstance(token_types, Tensor) and not isinstance(token_types, DTensor) and bool(token_types.any())
+
+
+def _rotary_rows_problem(positions: Tensor, batch: int, seq_len: int) -> str | None:
+    """Why 3-D rotary position ids (rows, batch, seq), e.g. Qwen3-VL's mrope ones, do not fit the batch."""
+    if tuple(positions.shape[1:]) not in ((batch, seq_len), (1, seq_len)):
+        return (f"context_parallel: position_ids of shape {tuple(positions.shape)} do not match the inputs' "
+                f"(batch, sequence) = {(batch, seq_len)}; give (rows, {batch}, {seq_len})")
+    return None
+
+
+def split_sequence(settings: ContextSettings, kwargs: dict, ref: Tensor) -> None:
+    """Split the decoder's inputs in `kwargs` in place: token ids and embeddings on the sequence dim, position
+    ids (2-D, or 3-D rotary rows) on their last dim, all in the zigzag order and keeping global positions; and
+    always a padding mask, whole on every rank (without one, transformers would read the zigzag position ids
+    as packed sequences)."""
+    seq_len = ref.shape[SEQ_DIM]
+    plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = plain_positions
+    ones = torch.ones_like(plain_positions.expand(ref.shape[0], -1))
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, dict):  # built by a multimodal base model, one per layer type (Gemma3): 2D padding masks
+        kwargs["attention_mask"] = {k: _padding_mask(settings, ones if m is None else m) for k, m in mask.items()}
+    else:
+        kwargs["attention_mask"] = _padding_mask(settings, ones if mask is None else mask)
+    for name in ZIGZAG_INPUTS[2:] + ZIGZAG_INPUTS[:1]:
+        value = kwargs.get(name)
+        if value is not None:
+            dim = value.ndim - 1 if name == "position_ids" else SEQ_DIM
+            kwargs[name] = split(settings, value, zigzag=True, dim=dim)
 
 
 def _padding_mask(settings: ContextSettings, mask: Tensor):
     """The 2D padding mask, whole on every rank in the zigzag order (b x L, small)."""
     if isinstance(mask, DTensor):
-        mask = _split(settings, mask, zigzag=True).full_tensor()
+        mask = split(settings, mask, zigzag=True).full_tensor()
     else:
         mask = torch.cat([zigzag_slice(mask, SEQ_DIM, r, settings.parts) for r in range(settings.parts)], SEQ_DIM)
     if mask.ndim != 2:
@@ -144,42 +195,62 @@ def _padding_mask(settings: ContextSettings, mask: Tensor):
     return DTensor.from_local(mask.to(torch.bool), replicate_layout(settings.mesh, 2))
 
 
-def _split(settings: ContextSettings, t: Tensor, zigzag: bool) -> DTensor:
-    """Split the sequence dim over the axis: a whole tensor by slicing, a DTensor from its layout."""
+def split(settings: ContextSettings, t: Tensor, zigzag: bool, dim: int = SEQ_DIM) -> DTensor:
+    """Split dim `dim` (the sequence) over the axis: a whole tensor by slicing; a DTensor from its layout, and
+    a tensor that takes a gradient (a multimodal model's embeddings, computed on every rank), by
+    differentiable DTensor ops, so that its gradient comes back whole."""
     axis, rank, parts = settings.axis_index, settings.rank, settings.parts
+    t = replicated_if_grad(settings, t)
     if not isinstance(t, DTensor):
         layout = replicate_layout(settings.mesh, t.ndim)
-        local = zigzag_slice(t, SEQ_DIM, rank, parts) if zigzag else t.chunk(parts, SEQ_DIM)[rank]
-    else:
-        layout = t.dist_layout.without_partial()
-        seq_axes = layout.tensor_map[SEQ_DIM]
-        if seq_axes == (axis,):  # already split over the axis in the plain order
-            local = t.to_local()
-            return t if not zigzag else DTensor.from_local(
-                reorder(local, SEQ_DIM, settings.group, rank, parts, to_zigzag=True), layout, shape=t.shape)
-        if seq_axes:
-            raise ValueError(f"context_parallel: input of layout {layout.alias_entries()} splits the sequence "
-                             f"over other axes than {settings.axis!r}")
-        local = t.redistribute(layout).to_local()
-        local = zigzag_slice(local, SEQ_DIM, rank, parts) if zigzag else local.chunk(parts, SEQ_DIM)[rank]
+        local = zigzag_slice(t, dim, rank, parts) if zigzag else t.chunk(parts, dim)[rank]
+        return DTensor.from_local(local, _split_layout(settings, layout, dim), shape=t.shape)
+    layout = t.dist_layout.without_partial()
+    seq_axes = layout.tensor_map[dim]
+    if seq_axes == (axis,):  # already split over the axis in the plain order
+        local = t.to_local()
+        return t if not zigzag else DTensor.from_local(
+            reorder(local, dim, settings.group, rank, parts, to_zigzag=True), layout, shape=t.shape)
+    if seq_axes:
+        raise ValueError(f"context_parallel: input of layout {layout.alias_entries()} splits the sequence "
+                         f"over other axes than {settings.axis!r}")
+    whole = t if t.dist_layout is layout else t.redistribute(layout)
+    if zigzag:  # the zigzag order, whose plain split gives rank i chunks i and 2n-1-i
+        chunk = t.shape[dim] // (2 * parts)
+        order = torch.cat([token_index(r, parts, chunk, t.device) for r in range(parts)])
+        whole = whole.index_select(dim, order)
+    return whole.redistribute(_split_layout(settings, layout, dim))
+
+
+def replicated_if_grad(settings: ContextSettings, t: Tensor) -> Tensor:
+    """A plain tensor that takes a gradient, as the replicated DTensor it is (the same value on every rank,
+    e.g. a tower's output under tp), so that each rank's part of its gradient is summed back whole."""
+    if isinstance(t, DTensor) or not (t.requires_grad and torch.is_grad_enabled()):
+        return t
+    return DTensor.from_local(t, replicate_layout(settings.mesh, t.ndim))
+
+
+def _split_layout(settings: ContextSettings, layout, dim: int):
     tensor_map = list(layout.tensor_map)
-    tensor_map[SEQ_DIM] = (axis,)
-    return DTensor.from_local(local, layout.with_map(tensor_map, layout.partial), shape=t.shape)
+    tensor_map[dim] = (settings.axis_index,)
+    return layout.with_map(tensor_map, layout.partial)
 
 
-def _plain_order(settings: ContextSettings, t):
+def plain_order(settings: ContextSettings, t):
+    """A sequence-split DTensor from the zigzag order back to the plain one (anything else as it is)."""
     if not isinstance(t, DTensor) or t.ndim < 2 or t.dist_layout.tensor_map[SEQ_DIM] != (settings.axis_index,):
         return t
     local = reorder(t.to_local(), SEQ_DIM, settings.group, settings.rank, settings.parts, to_zigzag=False)
     return DTensor.from_local(local, t.dist_layout, shape=t.shape)
 
 
-def _plain_order_outputs(settings: ContextSettings, module: nn.Module, args, output):
-    """Forward hook of the base model: its hidden states back in the plain sequence order."""
+def plain_order_outputs(settings: ContextSettings, module: nn.Module, args, output):
+    """Forward hook of the base model (of a multimodal model's language model): its hidden states back in the
+    plain sequence order."""
     for key in ("last_hidden_state", "hidden_states"):
         value = output.get(key) if hasattr(output, "get") else None
         if isinstance(value, tuple):
-            output[key] = tuple(_plain_order(settings, v) for v in value)
+            output[key] = tuple(plain_order(settings, v) for v in value)
         elif value is not None:
-            output[key] = _plain_order(settings, value)
+            output[key] = plain_order(settings, value)
     return output

@@ -90,6 +90,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, sche
     _check_arguments(model, schedule, n_microbatches, stages_per_rank, pp)
     cut.check_model(model, structure, pp * stages_per_rank)
     stage_dims = _check_parallelize_kwargs(dims, axis, parallelize_kwargs)
+    _check_stage_context(model, stage_dims)
     style = SCHEDULES[schedule][1]
     n_stages = pp * stages_per_rank
 
@@ -136,6 +137,17 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
                          f"(or 'interleaved_zb', 'zbv') for stages_per_rank={stages_per_rank}")
     if schedule == "zbv" and stages_per_rank != 2:
         raise ValueError("pipeline: schedule 'zbv' runs exactly two stages per rank (a V): stages_per_rank=2")
+
+
+def _check_stage_context(model: nn.Module, stage_dims: ParallelDims | None) -> None:
+    """A multimodal model's sequence is split at its language model's entry (context/multimodal.py), which a
+    pipeline's later stages never call (they run the decoder layers on the hidden state they receive): refused
+    before anything changes, on every rank alike."""
+    from ..context.multimodal import language_model_of
+    if stage_dims is not None and stage_dims.size(CP) > 1 and language_model_of(model) is not None:
+        raise NotImplementedError(
+            f"pipeline: context parallelism ('cp' axis) inside the stages of the multimodal "
+            f"{type(model).__name__} is not supported; use 'cp' without 'pp', or 'pp' with 'dp'/'tp'/'ep'")
 
 
 def _check_parallelize_kwargs(dims: ParallelDims, axis: str, kwargs: dict) -> ParallelDims | None:

@@ -1,0 +1,143 @@
+"""Context parallelism on the requirement's multimodal models fed an image (and audio for the Omni thinker), on 2
+gloo ranks against one plain process on the same global batch (API §9, §16): the language sequence, placeholder
+tokens included, is split; the 3-D rotary positions stay global; the towers run as on one device and keep their
+own attention. Loss and every gradient within 1e-5; generate and unsplittable inputs refused on every rank."""
+from __future__ import annotations
+
+import pytest
+
+from tests.test_multimodal_pp_ep import IMAGE, build, check, expert_step, reference
+
+
+
+def _pad(world: int) -> int:
+    return 2 * world  # each rank holds two chunks of the sequence
+
+
+def _cp_step(rank, world, kind, method, tp=1):
+    """Worker: one training step of context_parallel over "cp" (with `shard(model, "auto")` on "tp" inside each
+    context rank where tp > 1, through parallelize), every rank fed the whole global batch; the loss, every
+    gradient (whole) and the attention implementation of each config."""
+    import hyper_parallel as hp
+    cp = world // tp
+    model, inputs, labels = build(kind, pad_to=_pad(cp))
+    if tp == 1:
+        hp.context_parallel(model, hp.init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), "cp", method)
+    else:
+        hp.parallelize(model, hp.init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp")), tp="auto", cp=method)
+    loss = model(**inputs, labels=labels).loss
+    loss.backward()
+    full = hp.DTensor.full_tensor
+    grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    towers = {name: getattr(model.config, name)._attn_implementation
+              for name in ("text_config", "vision_config", "audio_config") if hasattr(model.config, name)}
+    return (full(loss).item(), grads), towers
+
+
+def _reference(world: int):
+    return lambda kind: reference(kind, pad_to=_pad(world))
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_thinker"])
+def test_cp2_with_image_matches_one_process(dist2, kind, method):
+    results = dist2.run(_cp_step, kind, method)
+    check([step for step, _ in results], kind, _reference(2))
+    towers = results[0][1]
+    assert towers.pop("text_config").startswith(f"hyper_parallel_cp_{method}"), towers
+    assert all(not impl.startswith("hyper_parallel") for impl in towers.values()), towers
+
+
+def test_cp2_allgather_qwen3_vl(dist2):
+    results = dist2.run(_cp_step, "qwen3_vl", "allgather")
+    check([step for step, _ in results], "qwen3_vl", _reference(2))
+
+
+def test_cp4_ring_qwen3_vl_some_ranks_without_image_tokens(dist4):
+    """Chunks of 2 of 16 tokens: the image (positions 3-6) lies on ranks 1-3 (chunks 1-3), rank 0 adds no
+    deepstack row."""
+    results = dist4.run(_cp_step, "qwen3_vl", "ring")
+    check([step for step, _ in results], "qwen3_vl", _reference(4))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe"])
+def test_cp2_tp2_with_image(dist4, kind):
+    """Under tp the towers' outputs reach the language model as plain tensors, the same on every rank: their
+    gradients (embeddings, deepstack rows) are summed back whole over "cp"."""
+    results = dist4.run(_cp_step, kind, "ring", 2)
+    check([step for step, _ in results], kind, _reference(2))
+
+
+def _image_and_video(rank, world):
+    """Worker: the built-in Qwen3-VL case (an image and a two-frame video per sample, mm_token_type_ids) under
+    cp=2 against a copy run plainly in the same process; the loss and worst gradient difference, the summary."""
+    import copy
+    import hyper_parallel as hp
+    from hyper_parallel.tools.model_inputs import pad_tokens
+    from hyper_parallel.tools.models import build_model
+    case = build_model("qwen3_vl")
+    inputs, labels = pad_tokens(case.inputs, case.labels, _pad(world))
+    ref = copy.deepcopy(case.model)
+    model = hp.context_parallel(case.model, hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    loss, want = model(**inputs, **labels).loss, ref(**inputs, **labels).loss
+    loss.backward()
+    want.backward()
+    worst = max((hp.DTensor.full_tensor(p.grad) - r.grad).abs().max().item()
+                for p, r in zip(model.parameters(), ref.parameters()) if r.grad is not None)
+    return abs(hp.DTensor.full_tensor(loss).item() - want.item()), worst, hp.summary(model)
+
+
+def test_cp2_qwen3_vl_with_image_and_video(dist2):
+    loss, grad, summary = dist2.run(_image_and_video)[0]
+    assert loss < 1e-5 and grad < 1e-5, (loss, grad)
+    assert "at the entry of Qwen3VLTextModel" in summary, summary
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_omni_thinker"])
+def test_dp2_cp2_hsdp_with_image(dist4, kind):
+    """Each dp rank feeds its share (images included) whole over "cp"; hsdp averages the dp replicas (shares
+    with equal valid tokens)."""
+    results = dist4.run(expert_step, kind, (2, 2), ("dp", "cp"), True, True, None, _pad(2))
+    check(results, kind, lambda kind: reference(kind, even_labels=True, pad_to=_pad(2)))
+
+
+def _refusals(rank, world):
+    """Worker: what context parallelism cannot take is refused on every rank, from shapes, with the fix named."""
+    import torch
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model, inputs, labels = build("qwen3_vl", layers=1)
+    hp.context_parallel(model, mesh, "cp", "ring")
+    seen = []
+    with pytest.raises(hp.FeedError, match=f"multiple of 2 x 'cp' size = {_pad(world)}") as e:
+        model(**inputs, labels=labels)   # 14 tokens
+    seen.append(str(e.value))
+    _, inputs, labels = build("qwen3_vl", layers=1, pad_to=_pad(world))
+    batch, seq = labels.shape
+    with pytest.raises(hp.FeedError, match=r"position_ids of shape \(3, 4, 12\) do not match"):
+        model(**inputs, labels=labels, position_ids=torch.zeros(3, batch, seq - 4, dtype=torch.long))
+    with pytest.raises(hp.FeedError, match="token_type_ids mark image / prefix tokens"):
+        model(**inputs, labels=labels, token_type_ids=(inputs["input_ids"] == IMAGE).long())  # Gemma3's form
+    model.eval()
+    with pytest.raises(hp.FeedError, match="model.generate.*not decoding"):
+        model.generate(**inputs, max_new_tokens=2)
+    return seen
+
+
+def test_refusals_on_every_rank(dist2):
+    messages = dist2.run(_refusals)
+    assert messages[0] == messages[1]
+
+
+def _pipeline_refusal(rank, world):
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (2, 2), ("pp", "cp"))
+    model, _, _ = build("qwen3_vl", layers=2)
+    with pytest.raises(NotImplementedError, match="context parallelism .'cp' axis. inside the stages"):
+        hp.pipeline(model, mesh, schedule="1f1b", n_microbatches=2, cp="ring")
+    return True
+
+
+def test_cp_inside_pipeline_stages_of_a_multimodal_model_refused(dist4):
+    """Later stages never call the language model, where the split is made: refused up front on every rank."""
+    dist4.run(_pipeline_refusal)
