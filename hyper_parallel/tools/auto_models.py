@@ -31,7 +31,7 @@ _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_em
                 "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
                 "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
                 "pooler_output_size", "codebook_dim", "emb_dim", "d_latents", "hidden_size_global",
-                "fpn_hidden_size"}
+                "fpn_hidden_size", "vector_quantization_hidden_dimension", "audio_hidden_size", "condition_dim"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
@@ -65,7 +65,8 @@ RANK = 32
 # a hierarchical backbone's width per stage (SAM 2's Hiera: 96 doubling to 768) and the neck that reads them, in
 # another sub-config: both scaled by the same rule (narrowest stage = HIDDEN, its hidden_size), so they still agree
 _STAGE_WIDTH_KEYS = {"embed_dim_per_stage", "backbone_channel_list"}
-_COST_KEYS = {"num_latents": 16, "num_filters": 8, "encoder_hash_byte_group_vocab": VOCAB}
+_COST_KEYS = {"num_latents": 16, "num_filters": 8, "encoder_hash_byte_group_vocab": VOCAB,
+              "num_windows": 4}  # windowed ViT attention (LW-DETR): a square count of windows in the patch grid
 _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
              "max_source_positions", "max_target_positions", "seq_length"}
 
@@ -99,6 +100,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
                        if isinstance(d.get(k), int)), None)
     heads_old = next((d[k] for k in _HEAD_KEYS if isinstance(d.get(k), int)), None)
     head_dim_old = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
+    hidden_old = {k: d[k] for k in _HIDDEN_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
     for key, value in list(d.items()):
         if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
             d[key] = _resnet_for(value)
@@ -152,6 +154,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             if isinstance(value, float):
                 d[key] = 0.0
     _fill_unset(d, heads_old)
+    _fit_groups(d, hidden_old)
     kv_key = next((k for k in _KV_KEYS if isinstance(d.get(k), int)), None)
     if kv_key is not None and heads_old:
         kv_old = d[kv_key]
@@ -197,6 +200,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
         d["max_source_positions"] = min(d["max_source_positions"], 32)
     # lists with one entry per layer: cut to the new layer count, keeping one layer of each kind where they
     # differ (a hybrid model's linear and full attention layers); dicts keyed by layer index: the kept layers
+    per_layer: dict = {}  # the per-layer lists before the cut (a backbone that keeps more stages takes more)
     if old_layers and old_layers > LAYERS:
         layers = _hybrid_layers(d, old_layers)
         for key in _LAYER_KEYS:
@@ -205,11 +209,12 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
         for key, value in list(d.items()):
             if isinstance(value, list) and len(value) == old_layers:
                 kinds = _kinds(value)
+                per_layer[key] = value
                 d[key] = (kinds + [kinds[0]] * layers)[:layers] if len(kinds) > 1 else value[:layers]
     for key, value in list(d.items()):
         if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             d[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
-    _fit_stages(d, old_layers)
+    _fit_stages(d, old_layers, per_layer)
     _fit_hidden_state_indices(d, old_layers)
     for key in ("deepstack_visual_indexes", "vision_feature_layers", "fullatt_block_indexes"):
         if isinstance(d.get(key), list):
@@ -226,6 +231,18 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     if "tie_word_embeddings" in d and depth == 0:
         d["tie_word_embeddings"] = False
     return d
+
+
+def _fit_groups(d: dict, hidden_old: dict) -> None:
+    """A convolution grouped over the whole hidden width (Mimi's depthwise upsampling: upsample_groups ==
+    hidden_size): its groups follow the width it was equal to, so the channels still divide."""
+    for key, value in list(d.items()):
+        if not (key.endswith("groups") and isinstance(value, int) and not isinstance(value, bool)):
+            continue
+        for hk, old in hidden_old.items():
+            if value == old and isinstance(d.get(hk), int) and d[hk] != old:
+                d[key] = d[hk]
+                break
 
 
 def _kinds(value: list) -> list:
@@ -274,7 +291,7 @@ def _is_pair(value) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)
 
 
-def _fit_stages(d: dict, old_layers: int | None) -> None:
+def _fit_stages(d: dict, old_layers: int | None, per_layer: dict | None = None) -> None:
     """A backbone's outputs (`out_features` / `out_indices`) name stages. Where the stages are the layers
     (a ViT backbone: stage_names = stem + one per layer), the shrunk model keeps as many layers as outputs
     (at least LAYERS) and outputs its last ones; where they are not (a ConvNeXt's stages), they stay."""
@@ -288,6 +305,9 @@ def _fit_stages(d: dict, old_layers: int | None) -> None:
         for key in _LAYER_KEYS:
             if d.get(key) == min(old_layers, LAYERS):
                 d[key] = layers
+        for key, value in (per_layer or {}).items():  # one entry per stage (a Swin's depths and heads)
+            if isinstance(d.get(key), list) and len(d[key]) < layers and not any(isinstance(v, str) for v in value):
+                d[key] = value[:layers]
         old = list(range(layers - len(old) + 1, layers + 1))
     d["out_indices"] = old
     d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]

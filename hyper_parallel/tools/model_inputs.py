@@ -83,7 +83,7 @@ def _count_features(features, batch: int) -> int | None:
 
 def _grid_pixels(vcfg, gen, grids) -> torch.Tensor:
     patch = int(_first(vcfg, ("patch_size",), 4))
-    tps = int(_first(vcfg, ("temporal_patch_size",), 1))
+    tps = int(_first(vcfg, ("temporal_patch_size", "patch_temporal"), 1))
     chans = int(_first(vcfg, ("in_channels", "in_chans", "num_channels"), 3))
     n = sum(t * h * w for t, h, w in grids)
     return torch.randn(n, chans * tps * patch * patch, generator=gen)
@@ -172,6 +172,32 @@ def _audio_values(cfg, gen, batch: int, channels: int | None = None) -> dict:
     return {"input_values": torch.randn(batch, WAVE, generator=gen)}
 
 
+def _lagged_series(cfg, params: set, gen, batch: int) -> dict:
+    """A forecaster with lagged inputs (Time Series Transformer, Informer, Autoformer): past values over the
+    context plus the largest lag, their time features (the config's count, possibly none) and observed mask,
+    and the horizon's future values and time features the decoder reads."""
+    past = int(cfg.context_length) + max(cfg.lags_sequence)
+    horizon = int(cfg.prediction_length)
+    size = int(_first(cfg, ("input_size",), 1))
+    feats = int(_first(cfg, ("num_time_features",), 0)) + int(_first(cfg, ("num_dynamic_real_features",), 0))
+    shape = (batch, past) if size == 1 else (batch, past, size)
+    out = {"past_values": torch.randn(*shape, generator=gen),
+           "past_time_features": torch.randn(batch, past, feats, generator=gen)}
+    if "past_observed_mask" in params:
+        out["past_observed_mask"] = torch.ones(*shape)
+    if "future_values" in params:
+        out["future_values"] = torch.randn(batch, horizon, *shape[2:], generator=gen)
+    if "future_time_features" in params:
+        out["future_time_features"] = torch.randn(batch, horizon, feats, generator=gen)
+    for key, n in (("static_categorical_features", "num_static_categorical_features"),
+                   ("static_real_features", "num_static_real_features")):
+        count = int(_first(cfg, (n,), 0))
+        if key in params and count:
+            out[key] = torch.zeros(batch, count, dtype=torch.long) if "categorical" in key else \
+                torch.randn(batch, count, generator=gen)
+    return out
+
+
 def _row(text: int, placeholders: list, gen) -> list:
     """Token ids: a little text, then each placeholder run wrapped in its start/end ids, then text."""
     ids = torch.randint(TEXT_LOW, TEXT_HIGH, (text,), generator=gen).tolist()
@@ -257,7 +283,10 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
         inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1)
     if head == "keypoint-matching" and "pixel_values" in inputs:  # a pair of images per sample
         inputs["pixel_values"] = torch.stack([inputs["pixel_values"], inputs["pixel_values"].flip(-1)], 1)
-    if "past_values" in params:  # a time series: (batch, context, channels) with its observed mask
+    if "past_values" in params and "past_time_features" in params and isinstance(
+            getattr(cfg, "lags_sequence", None), (list, tuple)):
+        inputs.update(_lagged_series(cfg, params, gen, batch))
+    elif "past_values" in params:  # a time series: (batch, context, channels) with its observed mask
         context = int(_first(cfg, ("context_length",), 32))
         channels = int(_first(cfg, ("num_input_channels", "input_size"), 1))
         inputs["past_values"] = torch.randn(batch, context, channels, generator=gen)
