@@ -31,10 +31,11 @@ _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_em
                 "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
                 "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
                 "pooler_output_size", "codebook_dim", "emb_dim", "d_latents", "hidden_size_global",
-                "fpn_hidden_size", "vector_quantization_hidden_dimension", "audio_hidden_size", "condition_dim"}
+                "fpn_hidden_size", "vector_quantization_hidden_dimension", "audio_hidden_size", "condition_dim", "mit_hidden_size"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-             "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
+             "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size",
+             "mit_intermediate_size"}
 _HEAD_KEYS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
               "decoder_attention_heads", "attention_heads", "num_attention_heads_per_layer"}
 _KV_KEYS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
@@ -101,6 +102,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     heads_old = next((d[k] for k in _HEAD_KEYS if isinstance(d.get(k), int)), None)
     head_dim_old = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
     hidden_old = {k: d[k] for k in _HIDDEN_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
+    images_old = {k: v.get("image_size") for k, v in d.items() if isinstance(v, dict)}
     for key, value in list(d.items()):
         if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
             d[key] = _resnet_for(value)
@@ -155,6 +157,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
                 d[key] = 0.0
     _fill_unset(d, heads_old)
     _fit_groups(d, hidden_old)
+    _fit_feature_sizes(d, images_old)
     kv_key = next((k for k in _KV_KEYS if isinstance(d.get(k), int)), None)
     if kv_key is not None and heads_old:
         kv_old = d[kv_key]
@@ -168,9 +171,15 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     # vision sizes: an 8 x 8 patch grid of 4-pixel patches (even sizes for a merge of 2); images of at most
     # 64 pixels a side for a convolutional model (no patches)
     if isinstance(d.get("patch_size"), int):
+        patch_old = d["patch_size"]
         d["patch_size"] = min(d["patch_size"], 4)
-        if isinstance(d.get("window_size"), int):  # attention windows (Swin) within the 8 x 8 patch grid
-            d["window_size"] = min(d["window_size"], 4)
+        window = d.get("window_size")
+        if isinstance(window, int) and "spatial_merge_size" in d and patch_old > 1 and window % patch_old == 0 \
+                and window >= 2 * patch_old:
+            # a window in pixels of whole patches, merged (Qwen2.5-VL's 112 = 8 x 14): as many new patches, up to 4
+            d["window_size"] = d["patch_size"] * min(window // patch_old, 4)
+        elif isinstance(window, int):  # attention windows in patches (Swin) within the 8 x 8 patch grid
+            d["window_size"] = min(window, 4)
         for key in ("image_size", "img_size"):
             if isinstance(d.get(key), int) or _is_pair(d.get(key)):
                 d[key] = d["patch_size"] * 8 if isinstance(d[key], int) else [d["patch_size"] * 8] * 2
@@ -243,6 +252,26 @@ def _fit_groups(d: dict, hidden_old: dict) -> None:
             if value == old and isinstance(d.get(hk), int) and d[hk] != old:
                 d[key] = d[hk]
                 break
+
+
+def _side(size) -> int | None:
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    return size[0] if _is_pair(size) else None
+
+
+def _fit_feature_sizes(d: dict, images_old: dict) -> None:
+    """A neck that states its backbone's feature-map sizes (SAM 2's backbone_feature_sizes, [[256, 256], ...]
+    for a 1024-pixel image): scaled with the backbone's image, so the maps it reshapes to still fit."""
+    sizes = d.get("backbone_feature_sizes")
+    if not (isinstance(sizes, list) and sizes and all(_is_pair(p) for p in sizes)):
+        return
+    for key, old in images_old.items():
+        new = _side(d[key].get("image_size")) if isinstance(d.get(key), dict) else None
+        if _side(old) and new and new < _side(old):
+            ratio = _side(old) / new
+            d["backbone_feature_sizes"] = [[max(1, int(v / ratio)) for v in p] for p in sizes]
+            return
 
 
 def _kinds(value: list) -> list:

@@ -49,7 +49,11 @@ def _first(cfg, names, default=None):
 
 
 def _token_id(cfg, kind: str):
-    return _first(cfg, (f"{kind}_token_id", f"{kind}_token_index", f"{kind}_token"))
+    names = (f"{kind}_token_id", f"{kind}_token_index", f"{kind}_token")
+    found = _first(cfg, names)
+    if found is None and _sub(cfg, "vlm_config") is not None:  # a retriever around a VLM (ColPali): the VLM's
+        found = _first(_sub(cfg, "vlm_config"), names)
+    return found
 
 
 def _vocab(cfg) -> int:
@@ -100,7 +104,9 @@ def _image_inputs(model, cfg, params: set, gen, batch: int) -> dict:
         out["pixel_values"] = _grid_pixels(vcfg, gen, [grid] * batch)
         out["image_grid_thw"] = torch.tensor([grid] * batch)
         return out
-    size = _first(vcfg, ("image_size", "img_size"), 32)
+    size = _first(vcfg, ("image_size", "img_size"), None)
+    if size is None:  # a vision config wrapping its backbone's (SAM 2's Hiera): the backbone's image size
+        size = _first(_sub(vcfg, "backbone_config"), ("image_size", "img_size"), 32)
     if isinstance(size, (list, tuple)):
         h, w = int(size[0]), int(size[-1])
     elif isinstance(size, dict):
@@ -149,7 +155,8 @@ def _audio_features(cfg, params: set, gen, batch: int, time_first: bool = False)
     if isinstance(_first(acfg, ("input_feat_per_channel",)), int):
         feats = int(acfg.input_feat_per_channel) * int(_first(acfg, ("input_channels",), 1))
         return {"input_features": torch.randn(batch, 32, feats, generator=gen)}
-    mels = int(_first(acfg, ("num_mel_bins", "n_mels", "feature_size", "input_feat_size", "num_mels"), 16))
+    mels = int(_first(acfg, ("feature_projection_input_dim", "num_mel_bins", "n_mels", "feature_size",
+                             "input_feat_size", "num_mels"), 16))  # (Wav2Vec2-BERT stacks 2 frames of 80 bins)
     frames = min(2 * int(_first(acfg, ("max_source_positions",), 32)), 64)
     shape = (batch, frames, mels) if time_first else (batch, mels, frames)
     out = {"input_features": torch.randn(*shape, generator=gen)}
@@ -280,7 +287,10 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             placeholders.append([start, video_id, n, end])
     if layout.get("images_per_sample") and isinstance(inputs.get("pixel_values"), torch.Tensor) and \
             inputs["pixel_values"].ndim == 4:
-        inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1)
+        vcfg = _sub(cfg, "vision_config") or cfg  # a video's frames where the config counts them (X-CLIP's 8)
+        frames = _first(vcfg, ("num_frames",), 1)
+        frames = frames if isinstance(frames, int) and 0 < frames <= 8 else 1
+        inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1).expand(-1, frames, -1, -1, -1).contiguous()
     if head == "keypoint-matching" and "pixel_values" in inputs:  # a pair of images per sample
         inputs["pixel_values"] = torch.stack([inputs["pixel_values"], inputs["pixel_values"].flip(-1)], 1)
     if "past_values" in params and "past_time_features" in params and isinstance(
@@ -320,7 +330,7 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             inputs["input_labels"] = torch.ones(batch, 1, 1, dtype=torch.long)
     if "input_ids" in params and (not inputs or _takes_text(params, head)):
         ids = torch.tensor([_row(SEQ, placeholders, gen)] * batch)
-        text = ids < high
+        text = (ids < high) | (ids >= vocab)  # (random text ids past a small vocabulary too: a protein's 64)
         ids[text] = torch.randint(TEXT_LOW, high, (int(text.sum()),), generator=gen)
         if head == "multiple-choice":
             ids = torch.stack([ids, ids.flip(-1)], 1)

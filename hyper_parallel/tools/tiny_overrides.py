@@ -40,6 +40,12 @@ OVERRIDES: dict[str, Override] = {
     "dots1": Override("experts unset by default", {"n_routed_experts": 4, "num_experts_per_tok": 2,
                                                    "n_shared_experts": 1}),
 }
+# SAM 2's prompt encoder states the image and the backbone's total stride (16) it prompts: the 64-pixel image of
+# the tiny Hiera backbone, whose last feature map is 64 / 16 pixels a side (the generic patch of 4 would not match)
+_SAM2_PROMPT = {"prompt_encoder_config.image_size": 64, "prompt_encoder_config.patch_size": 16}
+for _t in ("sam2", "sam2_video", "edgetam_video"):
+    OVERRIDES[_t] = Override("the prompt encoder's image and stride follow the tiny backbone's 64-pixel image",
+                             dict(_SAM2_PROMPT))
 
 
 def apply_override(model_type: str, d: dict) -> str:
