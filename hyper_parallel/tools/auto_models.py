@@ -220,9 +220,11 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
                 kinds = _kinds(value)
                 per_layer[key] = value
                 d[key] = (kinds + [kinds[0]] * layers)[:layers] if len(kinds) > 1 else value[:layers]
-    for key, value in list(d.items()):
-        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            d[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
+    for key, value in list(d.items()):  # (keyed by layer index: not a projector's sizes keyed by patch count)
+        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value) and old_layers and \
+                all(int(k) < old_layers for k in value):
+            d[key] = {k: shrink_config_dict(v, depth + 1) if isinstance(v, dict) else v
+                      for k, v in value.items() if int(k) < LAYERS}
     _fit_stages(d, old_layers, per_layer)
     _fit_hidden_state_indices(d, old_layers)
     for key in ("deepstack_visual_indexes", "vision_feature_layers", "fullatt_block_indexes"):
@@ -230,6 +232,10 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             d[key] = [i for i in d[key] if isinstance(i, int) and -LAYERS <= i < LAYERS] or [LAYERS - 1]
     if isinstance(d.get("vision_feature_layer"), int) and not -LAYERS <= d["vision_feature_layer"] < LAYERS:
         d["vision_feature_layer"] = -1
+    elif isinstance(d.get("vision_feature_layer"), list) and d["vision_feature_layer"] and all(
+            isinstance(i, int) for i in d["vision_feature_layer"]):  # several layers (Molmo2's [24, 18]): the last
+        kept = [i for i in d["vision_feature_layer"] if -LAYERS <= i < LAYERS]
+        d["vision_feature_layer"] = kept or list(range(LAYERS - 1, -1, -1))[:len(d["vision_feature_layer"])]
     head_dim_new = d.get("head_dim") if isinstance(d.get("head_dim"), int) else (
         HIDDEN // HEADS_N if heads_old else HEAD_DIM)
     for key in ("rope_parameters", "rope_scaling"):
@@ -370,7 +376,7 @@ def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
     for key, value in list(d.items()):
         if isinstance(value, dict) and key not in ("rope_parameters", "rope_scaling", "id2label", "label2id"):
             d[key] = _remap_special_ids(value, vocab, taken)
-        elif (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_id")) and \
+        elif isinstance(key, str) and (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_id")) and \
                 isinstance(value, int) and not isinstance(value, bool) and "layer" not in key:
             if value < TEXT_LOW:   # 0, 1, 2 stay: the random text ids start above them
                 continue
@@ -408,10 +414,17 @@ def _default_mrope(d: dict, config_cls) -> None:
     subs = [d] + [v for v in d.values() if isinstance(v, dict) and "model_type" in v]
     for sub in subs:
         rope = sub.get("rope_parameters")
-        if isinstance(rope, dict) and "mrope_section" not in rope and any(k in sub for k in _HEAD_KEYS):
+        kinds = _kinds(sub["layer_types"]) if isinstance(sub.get("layer_types"), list) else []
+        if rope == {} and kinds and all(isinstance(k, str) for k in kinds) and any(k in sub for k in _HEAD_KEYS):
+            # no rope by default, read per layer type (Cohere Compass): one per kind, with a section that fits
             head_dim = sub.get("head_dim") if isinstance(sub.get("head_dim"), int) else HIDDEN // HEADS_N
-            sub["rope_parameters"] = _shrink_rope(dict(rope, mrope_section=default), None,
-                                                  _rotary_dim(sub, rope, head_dim))
+            one = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": default}
+            sub["rope_parameters"] = {k: _shrink_rope(one, None, _rotary_dim(sub, one, head_dim)) for k in kinds}
+        elif isinstance(rope, dict) and rope and "mrope_section" not in rope and any(k in sub for k in _HEAD_KEYS) \
+                and not any(isinstance(v, dict) for v in rope.values()):  # (not empty, not one per layer type)
+            head_dim = sub.get("head_dim") if isinstance(sub.get("head_dim"), int) else HIDDEN // HEADS_N
+            rope = dict(rope, mrope_section=default)
+            sub["rope_parameters"] = _shrink_rope(rope, None, _rotary_dim(sub, rope, head_dim))
 
 
 def _rotary_dim(d: dict, rope: dict, head_dim: int) -> int:

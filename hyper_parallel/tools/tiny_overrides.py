@@ -47,6 +47,25 @@ for _t in ("sam2", "sam2_video", "edgetam_video"):
     OVERRIDES[_t] = Override("the prompt encoder's image and stride follow the tiny backbone's 64-pixel image",
                              dict(_SAM2_PROMPT))
 
+# the thinker's rotary index reads vision_start_token_id from its own config, which only the talker declares
+for _t in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"):
+    OVERRIDES[_t] = Override("the thinker's config lacks the vision start id its rotary index reads (the talker's "
+                             "config has it): the talker's default", {"vision_start_token_id": 151652})
+
+# defaults this transformers leaves to a checkpoint (unset, or a key the model reads that its config class lacks)
+OVERRIDES.update({
+    "dbrx": Override("the attention reads rope_theta (and clips by clip_qkv, unset) from its attention config, "
+                     "which does not declare it",
+                     {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0}),
+    "qwen4_exp_text": Override("the indexer's token budget and compression are unset by default",
+                               {"indexer_budget": 16, "indexer_compress_ratio": 4, "indexer_n_heads": 2,
+                                "indexer_kv_heads": 1, "indexer_head_dim": 16}),
+    "qwen4_exp": Override("the indexer's token budget and compression are unset by default",
+                          {"text_config.indexer_budget": 16, "text_config.indexer_compress_ratio": 4,
+                           "text_config.indexer_n_heads": 2, "text_config.indexer_kv_heads": 1,
+                           "text_config.indexer_head_dim": 16}),
+})
+
 
 def apply_override(model_type: str, d: dict) -> str:
     """Set the type's override keys on the shrunk config dict `d`; returns the entry's reason ("" if none)."""
