@@ -344,8 +344,10 @@ def _fit_stages(d: dict, old_layers: int | None, per_layer: dict | None = None) 
             if isinstance(d.get(key), list) and len(d[key]) < layers and not any(isinstance(v, str) for v in value):
                 d[key] = value[:layers]
         old = list(range(layers - len(old) + 1, layers + 1))
+        d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]
+    else:  # the stages stay: their own names (PVTv2's have no stem: out_indices [3] is "stage4")
+        d["out_features"] = [names[i] for i in old]
     d["out_indices"] = old
-    d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]
     d.pop("stage_names")
 
 

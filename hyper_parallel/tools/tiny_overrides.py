@@ -64,6 +64,17 @@ OVERRIDES.update({
                           {"text_config.indexer_budget": 16, "text_config.indexer_compress_ratio": 4,
                            "text_config.indexer_n_heads": 2, "text_config.indexer_kv_heads": 1,
                            "text_config.indexer_head_dim": 16}),
+    "bros": Override("the bounding-box embedding widths are derived from hidden_size once; the default's stay",
+                     {"dim_bbox_sinusoid_emb_2d": 16, "dim_bbox_sinusoid_emb_1d": 2, "dim_bbox_projection": 16}),
+    "layoutlmv3": Override("4 coordinate and 2 shape embeddings are concatenated to the hidden size; the visual "
+                           "positions follow input_size (the image side)",
+                           {"coordinate_size": 12, "shape_size": 8, "input_size": 32}),
+    "lilt": Override("six layout embeddings of hidden_size // 6 are concatenated to the hidden size",
+                     {"hidden_size": 96}),
+    "mobilevitv2": Override("five stride-2 stages and a 2 x 2 unfolding: the generic 16-pixel image (8 patches of "
+                            "2) ends at 1 x 1", {"image_size": 64}),
+    "fun_asr_nano": Override("the adaptor's width must be a quarter of the text hidden size",
+                             {"adaptor_config.intermediate_size": 16}),
 })
 
 
