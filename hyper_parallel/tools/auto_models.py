@@ -31,7 +31,8 @@ _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_em
                 "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
                 "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
                 "pooler_output_size", "codebook_dim", "emb_dim", "d_latents", "hidden_size_global",
-                "fpn_hidden_size", "vector_quantization_hidden_dimension", "audio_hidden_size", "condition_dim", "mit_hidden_size"}
+                "fpn_hidden_size", "vector_quantization_hidden_dimension", "audio_hidden_size", "condition_dim",
+                "mit_hidden_size"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size",
