@@ -379,7 +379,7 @@ def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
     for key, value in list(d.items()):
         if isinstance(value, dict) and key not in ("rope_parameters", "rope_scaling", "id2label", "label2id"):
             d[key] = _remap_special_ids(value, vocab, taken)
-        elif isinstance(key, str) and (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_id")) and \
+        elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_id")) and \
                 isinstance(value, int) and not isinstance(value, bool) and "layer" not in key:
             if value < TEXT_LOW:   # 0, 1, 2 stay: the random text ids start above them
                 continue

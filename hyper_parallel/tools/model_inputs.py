@@ -57,7 +57,7 @@ def _token_id(cfg, kind: str):
 
 
 def _vocab(cfg) -> int:
-    text = _sub(cfg, "text_config", "decoder", "language_config", "llm_config") or cfg
+    text = _sub(cfg, "text_config", "decoder", "language_config", "llm_config", "model_config") or cfg
     return int(_first(text, ("vocab_size",), _first(cfg, ("vocab_size",), VOCAB)))
 
 
@@ -347,10 +347,45 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             inputs["mm_token_type_ids"] = types
         if "bbox" in params:
             inputs["bbox"] = _boxes(batch, ids.shape[-1], gen)
+    _side_inputs(inputs, model, cfg, params, gen, batch, high)
     labels = head_labels(inputs, model, cfg, head, gen, batch, high)
     if "decoder_input_ids" in params and "labels" not in labels and "input_ids" in inputs:
         inputs["decoder_input_ids"] = torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)
     return inputs, labels
+
+
+def _side_inputs(inputs: dict, model, cfg, params: set, gen, batch: int, high: int) -> None:
+    """Inputs a forward requires beside the modalities, shaped from the ones already made: the Q-Former's own
+    prompt (InstructBLIP), region features and boxes (LXMERT), a segmentation prompt (SegGPT), the images each
+    token attends to (IDEFICS), NaFlex patches with their grid (SigLIP 2)."""
+    ids, pixels = inputs.get("input_ids"), inputs.get("pixel_values")
+    if "qformer_input_ids" in params and ids is not None:
+        qcfg = _sub(cfg, "qformer_config")
+        qvocab = int(_first(qcfg, ("vocab_size",), high))
+        inputs["qformer_input_ids"] = torch.randint(TEXT_LOW, min(high, qvocab), ids.shape[-2:], generator=gen)
+        if "qformer_attention_mask" in params:
+            inputs["qformer_attention_mask"] = torch.ones_like(inputs["qformer_input_ids"])
+    if "visual_feats" in params and "visual_pos" in params and ids is not None:
+        boxes = 4
+        inputs["visual_feats"] = torch.randn(batch, boxes, int(_first(cfg, ("visual_feat_dim",), 64)), generator=gen)
+        inputs["visual_pos"] = torch.rand(batch, boxes, int(_first(cfg, ("visual_pos_dim",), 4)), generator=gen)
+    if isinstance(pixels, torch.Tensor) and pixels.ndim == 4 and "prompt_pixel_values" in params:
+        inputs["prompt_pixel_values"] = torch.randn(pixels.shape, generator=gen)
+        if "prompt_masks" in params:
+            inputs["prompt_masks"] = torch.randn(pixels.shape, generator=gen)
+    if "image_attention_mask" in params and ids is not None and isinstance(pixels, torch.Tensor) and \
+            pixels.ndim == 5:
+        inputs["image_attention_mask"] = torch.ones(batch, ids.shape[-1], pixels.shape[1], dtype=torch.long)
+    if "spatial_shapes" in params and isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
+        vcfg = _sub(cfg, "vision_config") or cfg
+        patch = int(_first(vcfg, ("patch_size",), 4))
+        side = pixels.shape[-1] // patch
+        chans = pixels.shape[1]
+        inputs["pixel_values"] = pixels.reshape(batch, chans, side, patch, side, patch).permute(
+            0, 2, 4, 3, 5, 1).reshape(batch, side * side, patch * patch * chans)
+        inputs["spatial_shapes"] = torch.tensor([[side, side]] * batch)
+        if "pixel_attention_mask" in params:
+            inputs["pixel_attention_mask"] = torch.ones(batch, side * side, dtype=torch.long)
 
 
 def _takes_text(params: set, head: str) -> bool:
