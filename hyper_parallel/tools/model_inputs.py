@@ -357,7 +357,8 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
 def _side_inputs(inputs: dict, model, cfg, params: set, gen, batch: int, high: int) -> None:
     """Inputs a forward requires beside the modalities, shaped from the ones already made: the Q-Former's own
     prompt (InstructBLIP), region features and boxes (LXMERT), a segmentation prompt (SegGPT), the images each
-    token attends to (IDEFICS), NaFlex patches with their grid (SigLIP 2)."""
+    token attends to (IDEFICS), NaFlex patches with their grid (SigLIP 2), a trajectory (Decision Transformer),
+    a task prompt (OneFormer)."""
     ids, pixels = inputs.get("input_ids"), inputs.get("pixel_values")
     if "qformer_input_ids" in params and ids is not None:
         qcfg = _sub(cfg, "qformer_config")
@@ -376,6 +377,18 @@ def _side_inputs(inputs: dict, model, cfg, params: set, gen, batch: int, high: i
     if "image_attention_mask" in params and ids is not None and isinstance(pixels, torch.Tensor) and \
             pixels.ndim == 5:
         inputs["image_attention_mask"] = torch.ones(batch, ids.shape[-1], pixels.shape[1], dtype=torch.long)
+    if {"states", "actions", "returns_to_go", "timesteps"} <= params and not inputs:  # a Decision Transformer
+        state, act = int(_first(cfg, ("state_dim",), 4)), int(_first(cfg, ("act_dim",), 2))
+        inputs.update(states=torch.randn(batch, SEQ, state, generator=gen),
+                      actions=torch.randn(batch, SEQ, act, generator=gen),
+                      rewards=torch.randn(batch, SEQ, 1, generator=gen),
+                      returns_to_go=torch.randn(batch, SEQ, 1, generator=gen),
+                      timesteps=torch.arange(SEQ).repeat(batch, 1))
+        if "attention_mask" in params:
+            inputs["attention_mask"] = torch.ones(batch, SEQ, dtype=torch.long)
+    if "task_inputs" in params and "pixel_values" in inputs:  # OneFormer's task prompt ("the task is ...")
+        inputs["task_inputs"] = torch.randint(TEXT_LOW, high, (batch, int(_first(cfg, ("task_seq_len",), SEQ))),
+                                              generator=gen)
     if "spatial_shapes" in params and isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
         vcfg = _sub(cfg, "vision_config") or cfg
         patch = int(_first(vcfg, ("patch_size",), 4))
