@@ -116,3 +116,46 @@ def test_stage_widths_and_their_neck_are_scaled_together():
     assert d["backbone_config"]["embed_dim_per_stage"] == [64, 128, 256, 512]
     assert d["backbone_channel_list"] == [512, 256, 128, 64] and d["fpn_hidden_size"] == 64
     assert d["backbone_config"]["hidden_size"] == 64
+
+
+def test_derived_widths_follow_what_they_were_derived_from():
+    """Rules of the census-600 work, on config dicts alone: a convolution grouped over the whole width (Mimi's
+    upsample_groups == hidden_size), a Swin backbone that keeps 3 stages for 3 outputs (Grounding DINO), a
+    neck's feature-map sizes with its backbone's image (SAM 2), Qwen2.5-VL's window in pixels, stages named
+    without a stem (PVTv2), a projector dict keyed by patch count (Aria) and several vision feature layers."""
+    d = shrink_config_dict({"hidden_size": 512, "upsample_groups": 512, "num_groups": 4})
+    assert d["upsample_groups"] == d["hidden_size"] == 64 and d["num_groups"] == 4
+    swin = shrink_config_dict({"backbone_config": {
+        "embed_dim": 96, "depths": [2, 2, 6, 2], "num_heads": [3, 6, 12, 24], "num_layers": 4,
+        "stage_names": ["stem", "stage1", "stage2", "stage3", "stage4"], "out_features": ["stage2", "stage3", "stage4"],
+        "out_indices": [2, 3, 4]}})["backbone_config"]
+    assert swin["num_layers"] == len(swin["depths"]) == len(swin["num_heads"]) == 3
+    assert swin["out_features"] == ["stage1", "stage2", "stage3"]
+    sam2 = shrink_config_dict({"backbone_config": {"hidden_size": 96, "image_size": [1024, 1024]},
+                               "backbone_feature_sizes": [[256, 256], [128, 128], [64, 64]]})
+    assert sam2["backbone_feature_sizes"] == [[16, 16], [8, 8], [4, 4]]
+    vl = shrink_config_dict({"patch_size": 14, "window_size": 112, "spatial_merge_size": 2})
+    assert vl["window_size"] // vl["spatial_merge_size"] // vl["patch_size"] == 2
+    assert shrink_config_dict({"patch_size": 4, "window_size": 7})["window_size"] == 4  # Swin's, in patches
+    pvt = shrink_config_dict({"stage_names": ["stage1", "stage2", "stage3", "stage4"], "out_indices": [3],
+                              "out_features": ["stage4"]})
+    assert pvt["out_features"] == ["stage4"] and pvt["out_indices"] == [3]
+    aria = shrink_config_dict({"projector_patch_to_query_dict": {"1225": 128, "4900": 256}})
+    assert aria["projector_patch_to_query_dict"] == {"1225": 128, "4900": 256}
+    molmo = shrink_config_dict({"num_hidden_layers": 25, "vision_feature_layer": [24, 18]})
+    assert molmo["vision_feature_layer"] == [1, 0]
+
+
+def test_lagged_time_series_and_small_vocabularies_get_fitting_inputs():
+    """Time Series Transformer's past values cover the context and the largest lag, with their time features
+    and the horizon; a protein model's 64-token vocabulary gets ids inside it (ESMC)."""
+    import torch
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type("time_series_transformer")
+    cfg = case.model.config
+    assert case.inputs["past_values"].shape[1] == cfg.context_length + max(cfg.lags_sequence)
+    assert case.inputs["future_values"].shape[1] == cfg.prediction_length
+    with torch.no_grad():
+        case.model(**case.inputs)
+    case = build_model_type("esmc")
+    assert int(case.inputs["input_ids"].max()) < case.model.config.vocab_size

@@ -31,10 +31,12 @@ _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_em
                 "vision_output_dim", "text_hidden_size", "mm_hidden_size", "projector_hidden_size",
                 "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
                 "pooler_output_size", "codebook_dim", "emb_dim", "d_latents", "hidden_size_global",
-                "fpn_hidden_size"}
+                "fpn_hidden_size", "vector_quantization_hidden_dimension", "audio_hidden_size", "condition_dim",
+                "mit_hidden_size"}
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-             "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size"}
+             "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size",
+             "mit_intermediate_size"}
 _HEAD_KEYS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
               "decoder_attention_heads", "attention_heads", "num_attention_heads_per_layer"}
 _KV_KEYS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
@@ -65,7 +67,8 @@ RANK = 32
 # a hierarchical backbone's width per stage (SAM 2's Hiera: 96 doubling to 768) and the neck that reads them, in
 # another sub-config: both scaled by the same rule (narrowest stage = HIDDEN, its hidden_size), so they still agree
 _STAGE_WIDTH_KEYS = {"embed_dim_per_stage", "backbone_channel_list"}
-_COST_KEYS = {"num_latents": 16, "num_filters": 8, "encoder_hash_byte_group_vocab": VOCAB}
+_COST_KEYS = {"num_latents": 16, "num_filters": 8, "encoder_hash_byte_group_vocab": VOCAB,
+              "num_windows": 4}  # windowed ViT attention (LW-DETR): a square count of windows in the patch grid
 _POS_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
              "max_source_positions", "max_target_positions", "seq_length"}
 
@@ -99,6 +102,8 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
                        if isinstance(d.get(k), int)), None)
     heads_old = next((d[k] for k in _HEAD_KEYS if isinstance(d.get(k), int)), None)
     head_dim_old = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
+    hidden_old = {k: d[k] for k in _HIDDEN_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
+    images_old = {k: v.get("image_size") for k, v in d.items() if isinstance(v, dict)}
     for key, value in list(d.items()):
         if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
             d[key] = _resnet_for(value)
@@ -152,6 +157,8 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             if isinstance(value, float):
                 d[key] = 0.0
     _fill_unset(d, heads_old)
+    _fit_groups(d, hidden_old)
+    _fit_feature_sizes(d, images_old)
     kv_key = next((k for k in _KV_KEYS if isinstance(d.get(k), int)), None)
     if kv_key is not None and heads_old:
         kv_old = d[kv_key]
@@ -165,9 +172,15 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     # vision sizes: an 8 x 8 patch grid of 4-pixel patches (even sizes for a merge of 2); images of at most
     # 64 pixels a side for a convolutional model (no patches)
     if isinstance(d.get("patch_size"), int):
+        patch_old = d["patch_size"]
         d["patch_size"] = min(d["patch_size"], 4)
-        if isinstance(d.get("window_size"), int):  # attention windows (Swin) within the 8 x 8 patch grid
-            d["window_size"] = min(d["window_size"], 4)
+        window = d.get("window_size")
+        if isinstance(window, int) and "spatial_merge_size" in d and patch_old > 1 and window % patch_old == 0 \
+                and window >= 2 * patch_old:
+            # a window in pixels of whole patches, merged (Qwen2.5-VL's 112 = 8 x 14): as many new patches, up to 4
+            d["window_size"] = d["patch_size"] * min(window // patch_old, 4)
+        elif isinstance(window, int):  # attention windows in patches (Swin) within the 8 x 8 patch grid
+            d["window_size"] = min(window, 4)
         for key in ("image_size", "img_size"):
             if isinstance(d.get(key), int) or _is_pair(d.get(key)):
                 d[key] = d["patch_size"] * 8 if isinstance(d[key], int) else [d["patch_size"] * 8] * 2
@@ -197,6 +210,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
         d["max_source_positions"] = min(d["max_source_positions"], 32)
     # lists with one entry per layer: cut to the new layer count, keeping one layer of each kind where they
     # differ (a hybrid model's linear and full attention layers); dicts keyed by layer index: the kept layers
+    per_layer: dict = {}  # the per-layer lists before the cut (a backbone that keeps more stages takes more)
     if old_layers and old_layers > LAYERS:
         layers = _hybrid_layers(d, old_layers)
         for key in _LAYER_KEYS:
@@ -205,17 +219,24 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
         for key, value in list(d.items()):
             if isinstance(value, list) and len(value) == old_layers:
                 kinds = _kinds(value)
+                per_layer[key] = value
                 d[key] = (kinds + [kinds[0]] * layers)[:layers] if len(kinds) > 1 else value[:layers]
-    for key, value in list(d.items()):
-        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            d[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
-    _fit_stages(d, old_layers)
+    for key, value in list(d.items()):  # (keyed by layer index: not a projector's sizes keyed by patch count)
+        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value) and old_layers and \
+                all(int(k) < old_layers for k in value):
+            d[key] = {k: shrink_config_dict(v, depth + 1) if isinstance(v, dict) else v
+                      for k, v in value.items() if int(k) < LAYERS}
+    _fit_stages(d, old_layers, per_layer)
     _fit_hidden_state_indices(d, old_layers)
     for key in ("deepstack_visual_indexes", "vision_feature_layers", "fullatt_block_indexes"):
         if isinstance(d.get(key), list):
             d[key] = [i for i in d[key] if isinstance(i, int) and -LAYERS <= i < LAYERS] or [LAYERS - 1]
     if isinstance(d.get("vision_feature_layer"), int) and not -LAYERS <= d["vision_feature_layer"] < LAYERS:
         d["vision_feature_layer"] = -1
+    elif isinstance(d.get("vision_feature_layer"), list) and d["vision_feature_layer"] and all(
+            isinstance(i, int) for i in d["vision_feature_layer"]):  # several layers (Molmo2's [24, 18]): the last
+        kept = [i for i in d["vision_feature_layer"] if -LAYERS <= i < LAYERS]
+        d["vision_feature_layer"] = kept or list(range(LAYERS - 1, -1, -1))[:len(d["vision_feature_layer"])]
     head_dim_new = d.get("head_dim") if isinstance(d.get("head_dim"), int) else (
         HIDDEN // HEADS_N if heads_old else HEAD_DIM)
     for key in ("rope_parameters", "rope_scaling"):
@@ -226,6 +247,38 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     if "tie_word_embeddings" in d and depth == 0:
         d["tie_word_embeddings"] = False
     return d
+
+
+def _fit_groups(d: dict, hidden_old: dict) -> None:
+    """A convolution grouped over the whole hidden width (Mimi's depthwise upsampling: upsample_groups ==
+    hidden_size): its groups follow the width it was equal to, so the channels still divide."""
+    for key, value in list(d.items()):
+        if not (key.endswith("groups") and isinstance(value, int) and not isinstance(value, bool)):
+            continue
+        for hk, old in hidden_old.items():
+            if value == old and isinstance(d.get(hk), int) and d[hk] != old:
+                d[key] = d[hk]
+                break
+
+
+def _side(size) -> int | None:
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    return size[0] if _is_pair(size) else None
+
+
+def _fit_feature_sizes(d: dict, images_old: dict) -> None:
+    """A neck that states its backbone's feature-map sizes (SAM 2's backbone_feature_sizes, [[256, 256], ...]
+    for a 1024-pixel image): scaled with the backbone's image, so the maps it reshapes to still fit."""
+    sizes = d.get("backbone_feature_sizes")
+    if not (isinstance(sizes, list) and sizes and all(_is_pair(p) for p in sizes)):
+        return
+    for key, old in images_old.items():
+        new = _side(d[key].get("image_size")) if isinstance(d.get(key), dict) else None
+        if _side(old) and new and new < _side(old):
+            ratio = _side(old) / new
+            d["backbone_feature_sizes"] = [[max(1, int(v / ratio)) for v in p] for p in sizes]
+            return
 
 
 def _kinds(value: list) -> list:
@@ -274,7 +327,7 @@ def _is_pair(value) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)
 
 
-def _fit_stages(d: dict, old_layers: int | None) -> None:
+def _fit_stages(d: dict, old_layers: int | None, per_layer: dict | None = None) -> None:
     """A backbone's outputs (`out_features` / `out_indices`) name stages. Where the stages are the layers
     (a ViT backbone: stage_names = stem + one per layer), the shrunk model keeps as many layers as outputs
     (at least LAYERS) and outputs its last ones; where they are not (a ConvNeXt's stages), they stay."""
@@ -288,9 +341,14 @@ def _fit_stages(d: dict, old_layers: int | None) -> None:
         for key in _LAYER_KEYS:
             if d.get(key) == min(old_layers, LAYERS):
                 d[key] = layers
+        for key, value in (per_layer or {}).items():  # one entry per stage (a Swin's depths and heads)
+            if isinstance(d.get(key), list) and len(d[key]) < layers and not any(isinstance(v, str) for v in value):
+                d[key] = value[:layers]
         old = list(range(layers - len(old) + 1, layers + 1))
+        d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]
+    else:  # the stages stay: their own names (PVTv2's have no stem: out_indices [3] is "stage4")
+        d["out_features"] = [names[i] for i in old]
     d["out_indices"] = old
-    d["out_features"] = ["stem" if i == 0 else f"stage{i}" for i in old]
     d.pop("stage_names")
 
 
@@ -321,7 +379,7 @@ def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
     for key, value in list(d.items()):
         if isinstance(value, dict) and key not in ("rope_parameters", "rope_scaling", "id2label", "label2id"):
             d[key] = _remap_special_ids(value, vocab, taken)
-        elif (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_id")) and \
+        elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_id")) and \
                 isinstance(value, int) and not isinstance(value, bool) and "layer" not in key:
             if value < TEXT_LOW:   # 0, 1, 2 stay: the random text ids start above them
                 continue
@@ -359,10 +417,17 @@ def _default_mrope(d: dict, config_cls) -> None:
     subs = [d] + [v for v in d.values() if isinstance(v, dict) and "model_type" in v]
     for sub in subs:
         rope = sub.get("rope_parameters")
-        if isinstance(rope, dict) and "mrope_section" not in rope and any(k in sub for k in _HEAD_KEYS):
+        kinds = _kinds(sub["layer_types"]) if isinstance(sub.get("layer_types"), list) else []
+        if rope == {} and kinds and all(isinstance(k, str) for k in kinds) and any(k in sub for k in _HEAD_KEYS):
+            # no rope by default, read per layer type (Cohere Compass): one per kind, with a section that fits
             head_dim = sub.get("head_dim") if isinstance(sub.get("head_dim"), int) else HIDDEN // HEADS_N
-            sub["rope_parameters"] = _shrink_rope(dict(rope, mrope_section=default), None,
-                                                  _rotary_dim(sub, rope, head_dim))
+            one = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": default}
+            sub["rope_parameters"] = {k: _shrink_rope(one, None, _rotary_dim(sub, one, head_dim)) for k in kinds}
+        elif isinstance(rope, dict) and rope and "mrope_section" not in rope and any(k in sub for k in _HEAD_KEYS) \
+                and not any(isinstance(v, dict) for v in rope.values()):  # (not empty, not one per layer type)
+            head_dim = sub.get("head_dim") if isinstance(sub.get("head_dim"), int) else HIDDEN // HEADS_N
+            rope = dict(rope, mrope_section=default)
+            sub["rope_parameters"] = _shrink_rope(rope, None, _rotary_dim(sub, rope, head_dim))
 
 
 def _rotary_dim(d: dict, rope: dict, head_dim: int) -> int:

@@ -49,11 +49,15 @@ def _first(cfg, names, default=None):
 
 
 def _token_id(cfg, kind: str):
-    return _first(cfg, (f"{kind}_token_id", f"{kind}_token_index", f"{kind}_token"))
+    names = (f"{kind}_token_id", f"{kind}_token_index", f"{kind}_token")
+    found = _first(cfg, names)
+    if found is None and _sub(cfg, "vlm_config") is not None:  # a retriever around a VLM (ColPali): the VLM's
+        found = _first(_sub(cfg, "vlm_config"), names)
+    return found
 
 
 def _vocab(cfg) -> int:
-    text = _sub(cfg, "text_config", "decoder", "language_config", "llm_config") or cfg
+    text = _sub(cfg, "text_config", "decoder", "language_config", "llm_config", "model_config") or cfg
     return int(_first(text, ("vocab_size",), _first(cfg, ("vocab_size",), VOCAB)))
 
 
@@ -83,7 +87,7 @@ def _count_features(features, batch: int) -> int | None:
 
 def _grid_pixels(vcfg, gen, grids) -> torch.Tensor:
     patch = int(_first(vcfg, ("patch_size",), 4))
-    tps = int(_first(vcfg, ("temporal_patch_size",), 1))
+    tps = int(_first(vcfg, ("temporal_patch_size", "patch_temporal"), 1))
     chans = int(_first(vcfg, ("in_channels", "in_chans", "num_channels"), 3))
     n = sum(t * h * w for t, h, w in grids)
     return torch.randn(n, chans * tps * patch * patch, generator=gen)
@@ -100,7 +104,9 @@ def _image_inputs(model, cfg, params: set, gen, batch: int) -> dict:
         out["pixel_values"] = _grid_pixels(vcfg, gen, [grid] * batch)
         out["image_grid_thw"] = torch.tensor([grid] * batch)
         return out
-    size = _first(vcfg, ("image_size", "img_size"), 32)
+    size = _first(vcfg, ("image_size", "img_size"), None)
+    if size is None:  # a vision config wrapping its backbone's (SAM 2's Hiera): the backbone's image size
+        size = _first(_sub(vcfg, "backbone_config"), ("image_size", "img_size"), 32)
     if isinstance(size, (list, tuple)):
         h, w = int(size[0]), int(size[-1])
     elif isinstance(size, dict):
@@ -149,7 +155,8 @@ def _audio_features(cfg, params: set, gen, batch: int, time_first: bool = False)
     if isinstance(_first(acfg, ("input_feat_per_channel",)), int):
         feats = int(acfg.input_feat_per_channel) * int(_first(acfg, ("input_channels",), 1))
         return {"input_features": torch.randn(batch, 32, feats, generator=gen)}
-    mels = int(_first(acfg, ("num_mel_bins", "n_mels", "feature_size", "input_feat_size", "num_mels"), 16))
+    mels = int(_first(acfg, ("feature_projection_input_dim", "num_mel_bins", "n_mels", "feature_size",
+                             "input_feat_size", "num_mels"), 16))  # (Wav2Vec2-BERT stacks 2 frames of 80 bins)
     frames = min(2 * int(_first(acfg, ("max_source_positions",), 32)), 64)
     shape = (batch, frames, mels) if time_first else (batch, mels, frames)
     out = {"input_features": torch.randn(*shape, generator=gen)}
@@ -170,6 +177,32 @@ def _audio_values(cfg, gen, batch: int, channels: int | None = None) -> dict:
     if isinstance(channels, int):
         return {"input_values": torch.randn(batch, channels, WAVE, generator=gen)}
     return {"input_values": torch.randn(batch, WAVE, generator=gen)}
+
+
+def _lagged_series(cfg, params: set, gen, batch: int) -> dict:
+    """A forecaster with lagged inputs (Time Series Transformer, Informer, Autoformer): past values over the
+    context plus the largest lag, their time features (the config's count, possibly none) and observed mask,
+    and the horizon's future values and time features the decoder reads."""
+    past = int(cfg.context_length) + max(cfg.lags_sequence)
+    horizon = int(cfg.prediction_length)
+    size = int(_first(cfg, ("input_size",), 1))
+    feats = int(_first(cfg, ("num_time_features",), 0)) + int(_first(cfg, ("num_dynamic_real_features",), 0))
+    shape = (batch, past) if size == 1 else (batch, past, size)
+    out = {"past_values": torch.randn(*shape, generator=gen),
+           "past_time_features": torch.randn(batch, past, feats, generator=gen)}
+    if "past_observed_mask" in params:
+        out["past_observed_mask"] = torch.ones(*shape)
+    if "future_values" in params:
+        out["future_values"] = torch.randn(batch, horizon, *shape[2:], generator=gen)
+    if "future_time_features" in params:
+        out["future_time_features"] = torch.randn(batch, horizon, feats, generator=gen)
+    for key, n in (("static_categorical_features", "num_static_categorical_features"),
+                   ("static_real_features", "num_static_real_features")):
+        count = int(_first(cfg, (n,), 0))
+        if key in params and count:
+            out[key] = torch.zeros(batch, count, dtype=torch.long) if "categorical" in key else \
+                torch.randn(batch, count, generator=gen)
+    return out
 
 
 def _row(text: int, placeholders: list, gen) -> list:
@@ -254,10 +287,16 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             placeholders.append([start, video_id, n, end])
     if layout.get("images_per_sample") and isinstance(inputs.get("pixel_values"), torch.Tensor) and \
             inputs["pixel_values"].ndim == 4:
-        inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1)
+        vcfg = _sub(cfg, "vision_config") or cfg  # a video's frames where the config counts them (X-CLIP's 8)
+        frames = _first(vcfg, ("num_frames",), 1)
+        frames = frames if isinstance(frames, int) and 0 < frames <= 8 else 1
+        inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1).expand(-1, frames, -1, -1, -1).contiguous()
     if head == "keypoint-matching" and "pixel_values" in inputs:  # a pair of images per sample
         inputs["pixel_values"] = torch.stack([inputs["pixel_values"], inputs["pixel_values"].flip(-1)], 1)
-    if "past_values" in params:  # a time series: (batch, context, channels) with its observed mask
+    if "past_values" in params and "past_time_features" in params and isinstance(
+            getattr(cfg, "lags_sequence", None), (list, tuple)):
+        inputs.update(_lagged_series(cfg, params, gen, batch))
+    elif "past_values" in params:  # a time series: (batch, context, channels) with its observed mask
         context = int(_first(cfg, ("context_length",), 32))
         channels = int(_first(cfg, ("num_input_channels", "input_size"), 1))
         inputs["past_values"] = torch.randn(batch, context, channels, generator=gen)
@@ -291,7 +330,7 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             inputs["input_labels"] = torch.ones(batch, 1, 1, dtype=torch.long)
     if "input_ids" in params and (not inputs or _takes_text(params, head)):
         ids = torch.tensor([_row(SEQ, placeholders, gen)] * batch)
-        text = ids < high
+        text = (ids < high) | (ids >= vocab)  # (random text ids past a small vocabulary too: a protein's 64)
         ids[text] = torch.randint(TEXT_LOW, high, (int(text.sum()),), generator=gen)
         if head == "multiple-choice":
             ids = torch.stack([ids, ids.flip(-1)], 1)
@@ -308,10 +347,58 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             inputs["mm_token_type_ids"] = types
         if "bbox" in params:
             inputs["bbox"] = _boxes(batch, ids.shape[-1], gen)
+    _side_inputs(inputs, model, cfg, params, gen, batch, high)
     labels = head_labels(inputs, model, cfg, head, gen, batch, high)
     if "decoder_input_ids" in params and "labels" not in labels and "input_ids" in inputs:
         inputs["decoder_input_ids"] = torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)
     return inputs, labels
+
+
+def _side_inputs(inputs: dict, model, cfg, params: set, gen, batch: int, high: int) -> None:
+    """Inputs a forward requires beside the modalities, shaped from the ones already made: the Q-Former's own
+    prompt (InstructBLIP), region features and boxes (LXMERT), a segmentation prompt (SegGPT), the images each
+    token attends to (IDEFICS), NaFlex patches with their grid (SigLIP 2), a trajectory (Decision Transformer),
+    a task prompt (OneFormer)."""
+    ids, pixels = inputs.get("input_ids"), inputs.get("pixel_values")
+    if "qformer_input_ids" in params and ids is not None:
+        qcfg = _sub(cfg, "qformer_config")
+        qvocab = int(_first(qcfg, ("vocab_size",), high))
+        inputs["qformer_input_ids"] = torch.randint(TEXT_LOW, min(high, qvocab), ids.shape[-2:], generator=gen)
+        if "qformer_attention_mask" in params:
+            inputs["qformer_attention_mask"] = torch.ones_like(inputs["qformer_input_ids"])
+    if "visual_feats" in params and "visual_pos" in params and ids is not None:
+        boxes = 4
+        inputs["visual_feats"] = torch.randn(batch, boxes, int(_first(cfg, ("visual_feat_dim",), 64)), generator=gen)
+        inputs["visual_pos"] = torch.rand(batch, boxes, int(_first(cfg, ("visual_pos_dim",), 4)), generator=gen)
+    if isinstance(pixels, torch.Tensor) and pixels.ndim == 4 and "prompt_pixel_values" in params:
+        inputs["prompt_pixel_values"] = torch.randn(pixels.shape, generator=gen)
+        if "prompt_masks" in params:
+            inputs["prompt_masks"] = torch.randn(pixels.shape, generator=gen)
+    if "image_attention_mask" in params and ids is not None and isinstance(pixels, torch.Tensor) and \
+            pixels.ndim == 5:
+        inputs["image_attention_mask"] = torch.ones(batch, ids.shape[-1], pixels.shape[1], dtype=torch.long)
+    if {"states", "actions", "returns_to_go", "timesteps"} <= params and not inputs:  # a Decision Transformer
+        state, act = int(_first(cfg, ("state_dim",), 4)), int(_first(cfg, ("act_dim",), 2))
+        inputs.update(states=torch.randn(batch, SEQ, state, generator=gen),
+                      actions=torch.randn(batch, SEQ, act, generator=gen),
+                      rewards=torch.randn(batch, SEQ, 1, generator=gen),
+                      returns_to_go=torch.randn(batch, SEQ, 1, generator=gen),
+                      timesteps=torch.arange(SEQ).repeat(batch, 1))
+        if "attention_mask" in params:
+            inputs["attention_mask"] = torch.ones(batch, SEQ, dtype=torch.long)
+    if "task_inputs" in params and "pixel_values" in inputs:  # OneFormer's task prompt ("the task is ...")
+        inputs["task_inputs"] = torch.randint(TEXT_LOW, high, (batch, int(_first(cfg, ("task_seq_len",), SEQ))),
+                                              generator=gen)
+    if "spatial_shapes" in params and isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
+        vcfg = _sub(cfg, "vision_config") or cfg
+        patch = int(_first(vcfg, ("patch_size",), 4))
+        side = pixels.shape[-1] // patch
+        chans = pixels.shape[1]
+        inputs["pixel_values"] = pixels.reshape(batch, chans, side, patch, side, patch).permute(
+            0, 2, 4, 3, 5, 1).reshape(batch, side * side, patch * patch * chans)
+        inputs["spatial_shapes"] = torch.tensor([[side, side]] * batch)
+        if "pixel_attention_mask" in params:
+            inputs["pixel_attention_mask"] = torch.ones(batch, side * side, dtype=torch.long)
 
 
 def _takes_text(params: set, head: str) -> bool:

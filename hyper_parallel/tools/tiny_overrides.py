@@ -40,6 +40,42 @@ OVERRIDES: dict[str, Override] = {
     "dots1": Override("experts unset by default", {"n_routed_experts": 4, "num_experts_per_tok": 2,
                                                    "n_shared_experts": 1}),
 }
+# SAM 2's prompt encoder states the image and the backbone's total stride (16) it prompts: the 64-pixel image of
+# the tiny Hiera backbone, whose last feature map is 64 / 16 pixels a side (the generic patch of 4 would not match)
+_SAM2_PROMPT = {"prompt_encoder_config.image_size": 64, "prompt_encoder_config.patch_size": 16}
+for _t in ("sam2", "sam2_video", "edgetam_video"):
+    OVERRIDES[_t] = Override("the prompt encoder's image and stride follow the tiny backbone's 64-pixel image",
+                             dict(_SAM2_PROMPT))
+
+# the thinker's rotary index reads vision_start_token_id from its own config, which only the talker declares
+for _t in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"):
+    OVERRIDES[_t] = Override("the thinker's config lacks the vision start id its rotary index reads (the talker's "
+                             "config has it): the talker's default", {"vision_start_token_id": 151652})
+
+# defaults this transformers leaves to a checkpoint (unset, or a key the model reads that its config class lacks)
+OVERRIDES.update({
+    "dbrx": Override("the attention reads rope_theta (and clips by clip_qkv, unset) from its attention config, "
+                     "which does not declare it",
+                     {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0}),
+    "qwen4_exp_text": Override("the indexer's token budget and compression are unset by default",
+                               {"indexer_budget": 16, "indexer_compress_ratio": 4, "indexer_n_heads": 2,
+                                "indexer_kv_heads": 1, "indexer_head_dim": 16}),
+    "qwen4_exp": Override("the indexer's token budget and compression are unset by default",
+                          {"text_config.indexer_budget": 16, "text_config.indexer_compress_ratio": 4,
+                           "text_config.indexer_n_heads": 2, "text_config.indexer_kv_heads": 1,
+                           "text_config.indexer_head_dim": 16}),
+    "bros": Override("the bounding-box embedding widths are derived from hidden_size once; the default's stay",
+                     {"dim_bbox_sinusoid_emb_2d": 16, "dim_bbox_sinusoid_emb_1d": 2, "dim_bbox_projection": 16}),
+    "layoutlmv3": Override("4 coordinate and 2 shape embeddings are concatenated to the hidden size; the visual "
+                           "positions follow input_size (the image side)",
+                           {"coordinate_size": 12, "shape_size": 8, "input_size": 32}),
+    "lilt": Override("six layout embeddings of hidden_size // 6 are concatenated to the hidden size",
+                     {"hidden_size": 96}),
+    "mobilevitv2": Override("five stride-2 stages and a 2 x 2 unfolding: the generic 16-pixel image (8 patches of "
+                            "2) ends at 1 x 1", {"image_size": 64}),
+    "fun_asr_nano": Override("the adaptor's width must be a quarter of the text hidden size",
+                             {"adaptor_config.intermediate_size": 16}),
+})
 
 
 def apply_override(model_type: str, d: dict) -> str:
