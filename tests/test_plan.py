@@ -169,3 +169,8 @@ def test_llama_pp2_dp2_plan_equals_real_run():
 def test_interleaved_schedule_is_refused_with_what_to_use():
     with pytest.raises(ValueError, match="--schedule 1f1b or gpipe"):
         P.plan(config=llama(num_hidden_layers=4), world=2, mesh={"pp": 2}, seq=8, schedule="interleaved_1f1b")
+
+
+def test_pipeline_with_full_recompute_is_refused_before_anything_is_built():
+    with pytest.raises(ValueError, match="plan this mesh with --recompute none"):
+        P.plan(config=llama(num_hidden_layers=4), world=2, mesh={"pp": 2}, seq=8, recompute="full")

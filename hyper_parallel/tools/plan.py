@@ -51,6 +51,10 @@ RECOMPUTE = ("none", "full")
 PP_NOT_YET = ("pipeline schedule {schedule!r} cannot be planned yet: the planner replays the gpipe and 1f1b orders "
               "(one stage per rank) itself, not the interleaved or zero-bubble ones; plan with --schedule 1f1b or "
               "gpipe")
+PP_RECOMPUTE_NOT_YET = ("recompute 'full' with a 'pp' axis cannot be planned: the library's pipeline does not run "
+                        "checkpointed decoder layers yet (a stage's first layer takes the received hidden state from "
+                        "a one-shot hook that a recomputation would not see), so a real run refuses it too; plan "
+                        "this mesh with --recompute none")
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes")
 
 
@@ -682,6 +686,8 @@ def plan(model_type: str | None = None, *, world: int, mesh: str | Mapping[str, 
     sizes = parse_mesh(mesh, world)
     if sizes.get("pp", 1) > 1 and schedule not in PLANNED_SCHEDULES:
         raise ValueError(PP_NOT_YET.format(schedule=schedule))
+    if sizes.get("pp", 1) > 1 and recompute != "none":
+        raise ValueError(PP_RECOMPUTE_NOT_YET)
     cfg = load_config(model_type, config=config, config_file=config_file, model_path=model_path,
                       overrides=overrides)
     if layers is not None:
