@@ -174,3 +174,17 @@ def test_interleaved_schedule_is_refused_with_what_to_use():
 def test_pipeline_with_full_recompute_is_refused_before_anything_is_built():
     with pytest.raises(ValueError, match="plan this mesh with --recompute none"):
         P.plan(config=llama(num_hidden_layers=4), world=2, mesh={"pp": 2}, seq=8, recompute="full")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model-type", "llama", "--world", "8", "--mesh", "dp=2,tp=2"], "multiply to 8"),
+    (["--model-type", "no_such_model", "--world", "2", "--mesh", "dp=2"], "unknown model type 'no_such_model'"),
+    (["--model-type", "llama", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+      "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=2",
+      "--set", "vocab_size=128", "--world", "2", "--seq", "16", "--search", "--memory", "1KiB"], "fits 1.0 KiB per rank"),
+])
+def test_cli_bad_requests_exit_2_with_one_line_saying_what_is_wrong(argv, says, capsys):
+    from hyper_parallel.tools.cli import main
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hyper-parallel plan: ") and says in err and "\n" not in err, err

@@ -267,7 +267,8 @@ def test_when_nothing_fits_the_error_names_the_smallest_peak_the_limit_and_what_
     msg = str(e.value)
     assert "\n" not in msg and "fits 1.0 GiB per rank" in msg
     assert f"smallest predicted peak is {pc.format_bytes(smallest)}" in msg
-    assert "more ranks" in msg and "recompute full" in msg and "optimizer level" in msg
+    assert "more ranks" in msg and "optimizer level" in msg
+    assert "recompute full, " not in msg   # the search tried it already
 
 
 def test_a_mesh_the_planner_refuses_is_skipped_with_its_message():

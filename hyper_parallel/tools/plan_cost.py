@@ -168,7 +168,11 @@ def parse_bytes(text: str | int) -> int:
 
 
 def format_bytes(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2 ** 20:.1f} MiB"
+    """GiB from a tenth of one, MiB from a tenth of one, else KiB or bytes: a limit or peak never reads 0.0."""
+    for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size / 10:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 # ---- links --------------------------------------------------------------------------------------------------
@@ -421,6 +425,7 @@ def search(world: int, plan_fn: Callable[[dict, int, str], Mapping[str, Any]], d
     Nothing fits: a ValueError naming the smallest peak found and the limit, and what to try next.
     """
     memory = parse_bytes(memory_bytes) if memory_bytes is not None else device.memory_bytes
+    recompute_choices = tuple(recompute_choices)   # read again by the nothing-fits message
     meshes = enumerate_meshes(world, config=config, seq=seq, skipped=skipped, **mesh_options)
     results, smallest = [], None
     for mesh in meshes:
@@ -451,7 +456,9 @@ def search(world: int, plan_fn: Callable[[dict, int, str], Mapping[str, Any]], d
         peak, mesh, m, recompute = smallest
         raise ValueError(f"no mesh of world {world} fits {format_bytes(memory)} per rank: the smallest predicted "
                          f"peak is {format_bytes(peak)} ({mesh_str(mesh)}, microbatches={m}, recompute={recompute}); "
-                         f"use more ranks, recompute full, or a higher optimizer level (level3)")
+                         f"use more ranks, a shorter sequence or micro-batch, "
+                         f"{'' if 'full' in recompute_choices else 'recompute full, '}"
+                         f"or a higher optimizer level (level3) if not already")
     results.sort(key=lambda r: (r["step_time"]["total_s"] / r["tokens_per_step"], r["peak_bytes"], len(r["mesh"])))
     results[0]["reason"] = _reason(results[0], results[1] if len(results) > 1 else None)
     return results[:limit] if limit else results
