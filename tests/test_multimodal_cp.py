@@ -39,7 +39,7 @@ def _reference(world: int):
 
 
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_thinker"])
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_thinker", "llava"])
 def test_cp2_with_image_matches_one_process(dist2, kind, method):
     results = dist2.run(_cp_step, kind, method)
     check([step for step, _ in results], kind, _reference(2))

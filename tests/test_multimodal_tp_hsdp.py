@@ -31,15 +31,22 @@ def test_tp2_auto_qwen3_vl_moe_splits_layers_and_experts(dist2):
     assert share <= 0.5 + 0.1 * 0.5, f"{share:.2%} of the layers' bytes held per rank\n{summary}"
 
 
-@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_thinker"])
+def test_tp2_auto_llava_splits_its_llama_decoder_layers(dist2):
+    """The fourth image-text family: Llava (a CLIP tower, a projector, a Llama decoder), fed an image."""
+    (share, summary), _ = dist2.run(_tp_step, "llava")
+    assert share <= 0.5 + 0.1 * 0.5, f"{share:.2%} of the layers' bytes held per rank\n{summary}"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_thinker", "llava"])
 def test_hsdp_level3_with_image(dist2, kind):
     results = dist2.run(expert_step, kind, (2,), ("dp",), True, True, _LEVEL3)
     check(results, kind, lambda kind: reference(kind, even_labels=True))
 
 
-def test_dp2_tp2_parallelize_qwen3_vl_with_image(dist4):
-    results = dist4.run(expert_step, "qwen3_vl", (2, 2), ("dp", "tp"), True, True, _LEVEL3)
-    check(results, "qwen3_vl", lambda kind: reference(kind, even_labels=True))
+@pytest.mark.parametrize("kind", ["qwen3_vl", "llava"])
+def test_dp2_tp2_parallelize_with_image(dist4, kind):
+    results = dist4.run(expert_step, kind, (2, 2), ("dp", "tp"), True, True, _LEVEL3)
+    check(results, kind, lambda kind: reference(kind, even_labels=True))
 
 
 @pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_omni_thinker"])
