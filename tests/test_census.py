@@ -403,3 +403,15 @@ def test_op_name_of_a_higher_order_operator_is_stable():
     an object address that changes from run to run."""
     from torch._functorch.autograd_function import custom_function_call
     assert registry.op_name(custom_function_call) == "torch.ops.higher_order.custom_function_call"
+
+
+def test_output_comparison_matches_the_same_infinities_and_catches_a_lone_one():
+    """Grounding DINO's encoder_logits hold -inf at masked positions in every run: equal there is equal (as in
+    torch.testing.assert_close); an infinity or NaN that only one side has is a difference."""
+    ref = {"logits_a": torch.tensor([[1.0, float("-inf"), 2.0]])}
+    close = {"logits_a": torch.tensor([[1.0 + 1e-7, float("-inf"), 2.0]])}
+    assert census._output_diff(ref, close)[0] < 1e-6
+    for bad in ([1.0, 0.0, 2.0], [1.0, float("inf"), 2.0], [float("nan"), float("-inf"), 2.0]):
+        assert census._output_diff(ref, {"logits_a": torch.tensor([bad])})[0] == float("inf"), bad
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert census._output_diff({"z": z}, {"z": z + 1e-3j})[0] == pytest.approx(1e-3 / 3.1623, rel=1e-3)

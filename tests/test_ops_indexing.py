@@ -31,6 +31,7 @@ def _cases():
     R = [None]
     # in place into a dim split along the written dim cannot keep the layout (a loud error, tested below)
     Xk = lambda d: (lambda m: [s for s in specs_for(m, 3) if s[0][d] == "None"])
+    Xk12 = lambda m: [s for s in specs_for(m, 3) if s[0][1] == s[0][2] == "None"]
     cases = [
         ("x[int]", lambda t: t[1], [x], None, True),
         ("x[:, int]", lambda t: t[:, -1], [x], None, True),
@@ -71,6 +72,15 @@ def _cases():
         ("x[long, 1:3] = v", _set((ixd, slice(1, 3))), [x, torch.randn(3, 2, 7)], [Xk(0), X], True),
         ("x[:, long] = v", _set((slice(None), ix)), [x, torch.randn(5, 4, 7)],
          [lambda m: [s for s in specs_for(m, 3) if s[0][1] == "None"], lambda m: specs_for(m, 3)], True),
+        # tensor indices into the split dims (a detection head's per-sample query writes): each rank writes its own
+        ("x[long] = v into split rows", _set(ixd), [x, torch.randn(3, 6, 7)], [Xk12, X], True),
+        ("x[long, :, long] = v", _set((ixd, slice(None), torch.tensor([6, 1, 3]))), [x, torch.randn(3, 6)],
+         [Xk(1), lambda m: specs_for(m, 2)], True),
+        ("x[rows[:, None], cols] = v", _set((torch.arange(5)[:, None], perm[:, :, 0] % 6)),
+         [x, torch.randn(5, 3, 7)], [Xk(2), X], True),
+        ("x[long, long] = 2.0", _set((ixd, torch.tensor([1, 5, 0])), False, 2.0), [x], [Xk(2)], True),
+        ("x[-long, 1:4, long] = v bcast", _set((-1 - ixd, slice(1, 4), torch.tensor([0, 6, 2]))),
+         [x, torch.randn(1)], [Xk(1), lambda m: specs_for(m, 1)], True),
         # gather / scatter families
         ("torch.gather", lambda t, i: torch.gather(t, 1, i), [x, gidx], [X, I(3)], True),
         ("Tensor.gather", lambda t, i: t.gather(2, i[..., :7] % 7), [x, gidx], [X, R], True),
@@ -114,11 +124,12 @@ def _run_all(rank, world):
 
 
 def _loud(rank, world):
-    """Writing through a tensor index into a split dim cannot be done in place: a clear error (index_add_ can)."""
+    """Writes the split layout cannot take in place are a clear error: a tensor index into a split dim mixed
+    with an int (tensor indices and slices alone write each rank's own positions)."""
     mesh = meshes(world)[0]
     x = hp.distribute_tensor(torch.zeros(4, 6), mesh(mesh.alias_name[-1], "None"))
     try:
-        x[torch.tensor([0, 3])] = 1.0
+        x[torch.tensor([0, 3]), 1] = 1.0
     except RuntimeError as e:
         msg = str(e)
         if "__setitem__" not in msg or "laid out" not in msg:
@@ -159,5 +170,5 @@ def test_indexing_ops(world, dist2, dist4):
 
 def test_indexing_layouts(dist2, dist4):
     for pool in (dist2, dist4):
-        assert all(pool.run(_loud)), "setitem through a tensor index on a split dim must fail loudly"
+        assert all(pool.run(_loud)), "setitem through a tensor index and an int on a split dim must fail loudly"
         assert all(pool.run(_embedding_split))

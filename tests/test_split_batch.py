@@ -58,12 +58,14 @@ def _setitem_cases(rank, world, cases):
 
 
 def _may_refuse(case) -> bool:
-    """The writes the rule refuses by design: through a tensor index into the split dim, or through an int on
-    the split dim between tensor indices (as a one-wide slice it would move the indexed dims)."""
+    """The writes the rule refuses by design: through a tensor index into the split dim when an int indexes
+    another dim (tensor indices and slices alone write each rank's own positions), or through an int on the
+    split dim between tensor indices (as a one-wide slice it would move the indexed dims)."""
     _, split, entries, _, _ = case
     lists = [k for k, e in enumerate(entries) if e[0] == "list"]
-    return entries[split][0] == "list" or (entries[split][0] == "int" and bool(lists) and
-                                           min(lists) < split < max(lists))
+    ints = any(e[0] == "int" for e in entries)
+    return (entries[split][0] == "list" and ints) or (entries[split][0] == "int" and bool(lists) and
+                                                       min(lists) < split < max(lists))
 
 
 def _broadcast_cases(rank, world, cases):

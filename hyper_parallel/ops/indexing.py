@@ -149,6 +149,9 @@ class SetItem(Rule):
         lay = x.layout
         mesh = lay.mesh
         plan = _plan(call)
+        indexed = _tensor_indexed_write(call, plan)
+        if indexed is not None:
+            return indexed
         value = call.args[2] if len(call.args) > 2 else None
         v_spec = call.inputs[-1] if isinstance(value, torch.Tensor) else None
         r_nd = plan.out_ndim
@@ -219,6 +222,67 @@ def _masked_write(call: OpCall) -> Strategy | None:
         many = isinstance(value, torch.Tensor) and value.ndim == row_nd and value.shape[0] != 1  # 1 row broadcasts
         rows = value[order[piece][mine]] if many else value
         x_local[mine] = rows
+
+    ins = [lay] + [s.layout.replicated() for s in call.inputs[1:]]
+    return Strategy(ins, [lay], write)
+
+
+def _tensor_indexed_write(call: OpCall, plan: IndexPlan) -> Strategy | None:
+    """`x[i, j, ...] = value` with x split only on dims indexed by integer tensors (the rest slices, e.g. a
+    detection head writing per-sample query positions into a batch-split tensor): each rank writes the
+    positions that fall in its piece, the value's matching entries taken from the replicated value (into a
+    pending sum on one rank of its axes, zeros on the others). The
+    indices and the value are replicated, so what each rank writes and any out-of-range index (raised on
+    every rank) are decided from the same global data. None where another path applies."""
+    x = call.inputs[0]
+    lay = x.layout
+    items = plan.items
+    if any(p not in (None, "sum") for p in lay.partial) or any(it[0] not in ("adv", "slice") for it in items):
+        return None
+    # a pending sum receives the value on one rank of its axes (the others write zeros)
+    root = all(lay.mesh.coordinate[a] == 0 for a, p in enumerate(lay.partial) if p == "sum")
+    adv_dims = [it[1][0] for it in items if it[0] == "adv"]
+    split = {d for d in range(x.ndim) if lay.tensor_map[d]}
+    if not split or not split <= set(adv_dims) or any(len(it[1]) != 1 for it in items if it[0] == "adv"):
+        return None
+    raw = call.args[1] if type(call.args[1]) is tuple else (call.args[1],)
+    if any(isinstance(e, torch.Tensor) and e.dtype in _MASKS for e in raw):
+        return None
+    shape = tuple(x.shape)
+    pieces = dict(zip(range(x.ndim), zip(lay.local_offset(shape), lay.local_shape(shape))))
+    lengths = [len(range(shape[it[1]])[it[2]]) for it in items if it[0] == "slice"]
+    first = plan.adv_first
+
+    def write(x_local, index, value):
+        entries = index if type(index) is tuple else (index,)
+        tensors = iter([torch.as_tensor(e, device=x_local.device) for e in entries
+                        if isinstance(e, (torch.Tensor, list, tuple))])
+        advs = [next(tensors) for _ in adv_dims]
+        batch = torch.broadcast_shapes(*(t.shape for t in advs))
+        mine = torch.ones(batch, dtype=torch.bool, device=x_local.device)
+        local = []
+        for d, t in zip(adv_dims, advs):
+            t = t.expand(batch)
+            if bool(((t < -shape[d]) | (t >= shape[d])).any()):   # replicated: every rank raises alike
+                raise IndexError(f"x[...] = value: an index on dim {d} is out of bounds for size {shape[d]}")
+            t = t % shape[d]
+            if d in split:
+                off, n = pieces[d]
+                mine &= (t >= off) & (t < off + n)
+                t = t - off
+            local.append(t)
+        local = iter([t[mine] for t in local])
+        local_index = tuple(next(local) if it[0] == "adv" else it[2] for it in items)
+        if isinstance(value, torch.Tensor):
+            whole = lengths[:first] + list(batch) + lengths[first:]
+            v = torch.broadcast_to(value, whole)
+            v = v.flatten(first, first + len(batch) - 1) if batch else v.unsqueeze(first)
+            value = v[(slice(None),) * first + (mine.flatten(),)]
+            if not root:   # exact zeros (value * 0 would be nan at an inf), in the same autograd graph on every rank
+                value = torch.where(torch.zeros((), dtype=torch.bool, device=value.device), value, 0.0)
+        elif not root:
+            value = type(value)(0) if isinstance(value, numbers.Number) else value
+        x_local[local_index] = value
 
     ins = [lay] + [s.layout.replicated() for s in call.inputs[1:]]
     return Strategy(ins, [lay], write)
