@@ -199,3 +199,34 @@ def test_ring_merge_matches_sdpa(batch, heads, lq, causal, padded, data):
         grads = block_backward(q, k, v, None, 0.3, d_out, out, lse, causal=True)
         for got, exp in zip(grads, (gq, gk, gv)):
             assert torch.allclose(got, exp, atol=1e-9)
+
+
+def _refuses_what_it_would_split_wrong(rank, world):
+    """Models whose sequence is mixed by something other than the context-parallel attention are refused on
+    every rank, never run wrong: a recurrent scan (RWKV: after the forward, before its output is returned),
+    attention sinks (GPT-OSS), scan layers in layer_types (Mamba, Qwen3-Next's linear attention) and chunked
+    attention (Llama 4), the last two decided at the call."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    said = []
+    for model_type, at_call in (("rwkv", False), ("gpt_oss", False), ("mamba", True), ("qwen3_next", True),
+                                ("llama4_text", True)):
+        case = build_model_type(model_type)
+        ids = torch.randint(1, 50, (2, 8))
+        try:
+            model = hp.context_parallel(case.model, mesh)
+            assert not at_call, f"{model_type}: context_parallel accepted it"
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        except ValueError as e:
+            said.append(str(e).split(";")[0])
+        else:
+            raise AssertionError(f"{model_type} ran under context parallelism")
+    return said
+
+
+def test_models_it_would_split_wrong_are_refused_on_every_rank(dist2):
+    said = dist2.run(_refuses_what_it_would_split_wrong)
+    assert said[0] == said[1], said
+    scan, sinks, mamba, hybrid, chunked = said[0]
+    assert "none of its layers attended" in scan and "s_aux" in sinks, said[0]
+    assert "layer_types" in mamba and "linear_attention" in hybrid and "attention_chunk_size" in chunked, said[0]

@@ -24,6 +24,10 @@ ZIGZAG_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 PLAIN_INPUTS = ("labels",)
 
 
+# layer_types words of layers that mix the sequence without attention (linear attention, state-space scans)
+_NOT_ATTENTION = ("linear", "mamba", "recurrent", "conv", "ssm", "rwkv", "delta", "lightning")
+
+
 def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "cp",
                      method: str = "ring") -> nn.Module:
     """Split the sequence of the model's inputs over mesh axis `axis`; every attention layer computes
@@ -45,6 +49,15 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if method == "ulysses":
         _check_heads_divide(config, mesh, settings)
+    mixers = sorted({t for t in getattr(config, "layer_types", None) or () if isinstance(t, str) and
+                     any(k in t.lower() for k in _NOT_ATTENTION)})
+    if mixers:   # hybrid models: layers that mix the sequence by a scan, which a split sequence breaks
+        raise ValueError(f"context_parallel: the config's layer_types include {mixers} (layers that mix the "
+                         f"sequence without attention) and context parallelism splits attention only; run this "
+                         f"model without context parallelism")
+    if getattr(config, "attention_chunk_size", None):   # Llama 4: the mask builder's chunks, not a window
+        raise ValueError(f"context_parallel: attention_chunk_size={config.attention_chunk_size} (chunked "
+                         f"attention) is not supported; run this model without context parallelism")
     language = language_model_of(model)
     if language is not None:
         check_language_model(language)  # before anything changes: a refusal leaves the model as it was
@@ -167,6 +180,7 @@ def split_sequence(settings: ContextSettings, kwargs: dict, ref: Tensor) -> None
     ids (2-D, or 3-D rotary rows) on their last dim, all in the zigzag order and keeping global positions; and
     always a padding mask, whole on every rank (without one, transformers would read the zigzag position ids
     as packed sequences)."""
+    settings.split_pending, settings.attention_calls = True, 0
     seq_len = ref.shape[SEQ_DIM]
     plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
     if kwargs.get("position_ids") is None:
@@ -246,7 +260,16 @@ def plain_order(settings: ContextSettings, t):
 
 def plain_order_outputs(settings: ContextSettings, module: nn.Module, args, output):
     """Forward hook of the base model (of a multimodal model's language model): its hidden states back in the
-    plain sequence order."""
+    plain sequence order. A forward that split the sequence but ran none of its attention through context
+    parallel's mixed the sequence another way (a recurrent scan, attention code of its own): refused, on
+    every rank alike, rather than returned wrong."""
+    if settings.split_pending:
+        settings.split_pending = False
+        if not settings.attention_calls:
+            raise ValueError(f"context_parallel: {type(module).__name__} split its sequence over "
+                             f"{settings.axis!r} but none of its layers attended through transformers' attention "
+                             f"interface (a recurrent scan, or attention code of its own), so the split would "
+                             f"give wrong values; run this model without context parallelism")
     for key in ("last_hidden_state", "hidden_states"):
         value = output.get(key) if hasattr(output, "get") else None
         if isinstance(value, tuple):

@@ -25,6 +25,8 @@ from .ring import Ring, RingAttention, Visibility, block_forward
 from .zigzag import token_index
 
 METHODS = ("ring", "ulysses", "allgather")
+# attention keywords some models pass that change the math the context-parallel kernels do (refused, never dropped)
+MATH_KWARGS = ("s_aux", "sinks", "position_bias", "attn_bias", "alibi", "attention_bias")
 
 
 @dataclass
@@ -38,6 +40,10 @@ class ContextSettings:
     parts: int = field(init=False)
     rank: int = field(init=False)
     group: object = field(init=False)
+    # attention calls since the sequence was last split: a forward that split it and made none mixed its
+    # sequence some other way (a recurrent scan, attention code of its own), which the split makes wrong
+    attention_calls: int = field(init=False, default=0)
+    split_pending: bool = field(init=False, default=False)
 
     def __post_init__(self):
         self.axis_index = self.mesh.axis_index(self.axis)
@@ -59,7 +65,13 @@ def register_attention(settings: ContextSettings) -> str:
     name = f"hyper_parallel_cp_{settings.method}_{id(settings):x}"
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                  sliding_window=None, softcap=None, **_):
+                  sliding_window=None, softcap=None, **kwargs):
+        changing = sorted(k for k in MATH_KWARGS if kwargs.get(k) is not None)
+        if changing:
+            raise ValueError(f"context_parallel attention in {type(module).__name__}: {', '.join(changing)} "
+                             f"(attention sinks or a bias added to the scores) is not supported; run this "
+                             f"model without context parallelism")
+        settings.attention_calls += 1
         return context_attention(settings, module, query, key, value, attention_mask, dropout, scaling,
                                  is_causal, sliding_window, softcap)
 
