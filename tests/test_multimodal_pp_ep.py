@@ -348,3 +348,20 @@ def test_a_stage_that_fails_fails_on_every_rank(dist2, failing_layer, stage):
     assert errors[0] == errors[1], errors
     assert f"stage {stage} (on pp rank {stage}) refused this micro-batch" in errors[0], errors
     assert f"layer {failing_layer} cannot take this" in errors[0], errors
+
+
+def test_a_second_state_flowing_through_the_layers_is_refused():
+    """Zaya's layers return (hidden, router states) and its loop hands the router states to the next layer:
+    the stages hand each other the hidden state only, so the later stage would start from None and train a
+    different model (the census once found its loss 8e-5 off). Refused, naming the argument, before any step
+    is counted."""
+    import transformers
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import tiny_config
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("zaya")).float()
+    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="hands each layer 'argument 1', a tensor the previous layer returned"):
+        pipe.step(ids, labels=ids)

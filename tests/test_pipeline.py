@@ -27,7 +27,8 @@ def tiny_model(kind: str, layers: int = 4, device: str = "cpu"):
                     qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)
     name, extra = {"llama": ("Llama", {}), "qwen2": ("Qwen2", {}), "qwen3": ("Qwen3", {"head_dim": 8}),
                    "mistral": ("Mistral", {"sliding_window": 4}), "qwen3_moe": ("Qwen3Moe", {"head_dim": 8, **moe}),
-                   "deepseek_v3": ("DeepseekV3", deepseek)}[kind]
+                   "deepseek_v3": ("DeepseekV3", deepseek),
+                   "qwen3_tied": ("Qwen3", {"head_dim": 8, "tie_word_embeddings": True})}[kind]
     config = getattr(transformers, f"{name}Config")(**{**common, **extra})
     cls = getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(0)
@@ -259,3 +260,101 @@ def test_balance_property(weights, n_stages, first, last, data):
         given_stages = cut.stages_from_split_points(starts, len(weights), n_stages, "model.layers")
         assert [r.start for r in given_stages[1:]] == starts
         assert [i for r in given_stages for i in r] == list(range(len(weights)))
+
+
+# ---- input embeddings tied to the head, on different stages ------------------------------------------------
+TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def train_tied(rank, world, mesh_shape, names, kwargs, folder, accumulate):
+    """Worker: a tied Qwen3 (tie_word_embeddings=True) trained through pipeline(), built on the meta device
+    with a different random start per rank (the copies of the tied weight initialised apart) or read from a
+    transformers folder; two steps per optimizer step when `accumulate`. Returns the losses, the parameters
+    before and after training (full), and the logits after."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", mesh_shape, names)
+    if folder:
+        pipe = hp.from_pretrained(folder, mesh, **kwargs)
+    else:
+        torch.manual_seed(rank)
+        pipe = hp.pipeline(tiny_model("qwen3_tied", device="meta"), mesh, **kwargs)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    ids, labels = batch()
+    rows = BATCH // hp.data_world(mesh)
+    share = slice(hp.data_rank(mesh) * rows, (hp.data_rank(mesh) + 1) * rows)
+    halves = [share] if not accumulate else [slice(share.start, share.start + rows // 2),
+                                             slice(share.start + rows // 2, share.stop)]
+    initial = {k: _full(v).detach().clone() for k, v in pipe.named_parameters()}
+    losses = []
+    for _ in range(STEPS):
+        for half in halves:
+            losses.append(pipe.step(ids[half], labels=labels[half]).item())
+        opt.step()
+        opt.zero_grad()
+    params = {k: _full(v).detach().clone() for k, v in pipe.named_parameters()}
+    return losses, initial, params, (share, pipe.eval_forward(ids[share]))
+
+
+def check_tied(results, plain, accumulate):
+    """Every rank against one plain process from the same start: losses, each copy of the tied weight and
+    every other parameter after training, logits."""
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    ids, labels = batch()
+    halves = [slice(None)] if not accumulate else [slice(0, BATCH // 2), slice(BATCH // 2, None)]
+    losses = []
+    for _ in range(STEPS):
+        for half in halves:
+            loss = plain(input_ids=ids[half], labels=labels[half]).loss
+            loss.backward()   # as Pipeline.step: each step's gradients add into .grad
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    want = dict(plain.named_parameters())
+    with torch.no_grad():
+        logits = plain(input_ids=ids).logits
+    copies = 0
+    for got_losses, _, params, (share, got_logits) in results:
+        assert got_losses == pytest.approx(losses, abs=1e-5), (got_losses, losses)
+        for name, value in params.items():
+            copies += name in TIED
+            torch.testing.assert_close(value, want[TIED[0] if name in TIED else name], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got_logits, logits[share], atol=1e-5, rtol=0)
+    assert copies == len(results)   # pp=2: every rank holds one copy, the embeddings' or the head's
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_tied_embeddings_on_two_stages_train_as_one_weight(dist2, accumulate):
+    """tie_word_embeddings=True (Qwen3 up to 4B, Gemma, Llama 3.2): the embeddings on stage 0 and the head on
+    stage 1 stay one weight: the same start though each rank initialised its own random copy, the same
+    summed gradient (also when two steps accumulate before the optimizer's), the same values after AdamW,
+    logits equal to one plain process from that start."""
+    _check_tied_from_meta(dist2, (2,), ("pp",), dict(schedule="1f1b", n_microbatches=2), accumulate)
+
+
+def test_tied_embeddings_on_two_stages_with_tp(dist4):
+    """The same on a pp x tp mesh, the two copies laid out by the model's own tp plan (vocab split)."""
+    _check_tied_from_meta(dist4, (2, 2), ("pp", "tp"), dict(schedule="1f1b", n_microbatches=2, tp="auto"), False)
+
+
+def _check_tied_from_meta(pool, shape, names, kwargs, accumulate):
+    results = pool.run(train_tied, shape, names, kwargs, None, accumulate)
+    start = {k: v for _, initial, _, _ in results for k, v in initial.items()}
+    first, last = results[0][1], results[-1][1]   # a rank of stage 0 and one of stage 1
+    assert torch.equal(first[TIED[0]], last[TIED[1]])
+    plain = tiny_model("qwen3_tied")
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            p.copy_(start[name])
+    check_tied(results, plain, accumulate)
+
+
+def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
+    """A tied transformers folder (one tensor for both) read by from_pretrained on a pp x dp mesh with hsdp:
+    each stage's copy comes from that one tensor, and training equals one plain process."""
+    from transformers import AutoModelForCausalLM
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_model("qwen3_tied").save_pretrained(tmp)
+        kwargs = dict(schedule="1f1b", n_microbatches=2, hsdp={"threshold": 0})
+        results = dist4.run(train_tied, (2, 2), ("pp", "dp"), kwargs, tmp, False)
+        check_tied(results, AutoModelForCausalLM.from_pretrained(tmp).float(), False)

@@ -34,11 +34,14 @@ INDEX_JSON = "model.safetensors.index.json"
 
 
 def _model_tensors(model: nn.Module) -> list:
-    """[(names, tensor)]: persistent parameters and buffers, tied ones grouped under all their names."""
+    """[(names, tensor)]: persistent parameters and buffers, tied ones grouped under all their names (a
+    pipeline stage's copy of a weight tied across stages under the names of the whole model's weight)."""
     groups: dict = {}
+    tied = model.__dict__.get("_hp_tied_names", ())   # parallel/pipeline/tie.py ALIASES
     for name, t in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), (t, []))[1].append(name)
-    return [(names, t) for t, names in groups.values()]
+    return [(names + [n for n in tied if n not in names] if set(names) & set(tied) else names, t)
+            for t, names in groups.values()]
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ import torch
 
 from ..dispatch.registry import MissingOpRecord, record_missing_ops
 from .census import GRAD_TOLERANCE, TOLERANCE, RunReport, _max_diff, _run_one, _train_step, full, replicated
+from ..parallel.pipeline.tie import ALIASES as TIED_NAMES
 from .models import ModelCase
 
 PARALLEL = ("dp", "tp", "ep", "cp", "pp")
@@ -180,7 +181,11 @@ def pipeline_run(name: str, build: Callable[[], ModelCase], mesh, record: bool =
             pipe = hp.pipeline(case.model, mesh, "pp", schedule="1f1b", n_microbatches=PIPELINE_MICROBATCHES)
             case.model.train()
             loss = pipe.step(ids, labels=labels, **inputs)
-        grads = {n: None if p.grad is None else full(p.grad).detach() for n, p in pipe.named_parameters()}
+        # a stage's copy of a weight tied across stages (the head's) compares with the plain model's one weight
+        tied = pipe.model.__dict__.get(TIED_NAMES, ())
+        plain_name = {n: next((a for a in tied if a in ref_grads), n) if n in tied else n
+                      for n, _ in pipe.named_parameters()}
+        grads = {plain_name[n]: None if p.grad is None else full(p.grad).detach() for n, p in pipe.named_parameters()}
         dg, where = _max_diff({n: ref_grads.get(n) for n in grads}, grads, relative=True)
         stages = gather_objects(mesh, (dg, where, sorted(grads)))
         dg, where = max(((d, w) for _, (d, w, _) in stages), key=lambda dw: dw[0])

@@ -36,7 +36,7 @@ from .. import feed
 from ..dims import CP, DP, EP, TP, ParallelDims
 from ..shard import init_parameters
 from ..surgery import export, record_applied
-from . import cut
+from . import cut, tie
 from .state import stage_owner_meshes, whole_state_dict
 
 # name -> (torch schedule class, placement of stages on ranks: "loop" (stage s on rank s % pp) or "v")
@@ -108,16 +108,22 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, sche
     key_owner = _key_owners(whole_meta, specs, owner, structure)
 
     attributes = cut.layer_attributes(model, structure)
+    tied = tie.tied_names(model)
     cut.prune(model, structure, {i for spec in mine for i in spec.layers},
               any(s.first for s in mine), any(s.last for s in mine))
     if initialize and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         init_parameters(model)   # a meta build: materialise only this rank's stages
+    tied = tie.tie_across_stages(model, mesh, axis, tied, owner[0], owner[-1])
+    if tied is not None and initialize:
+        tied.broadcast_values(model)
     carry: dict = {}   # what the first stage hands the decoder stack besides the hidden state (cut.CarrySpec)
     views = [cut.stage_view(model, structure, spec, carry, attributes) for spec in mine]
     _parallelize_stages(model, views, stage_dims, parallelize_kwargs)
+    if tied is not None:
+        tied.check_layouts(model, mesh)
 
     pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, structure, key_owner, whole_meta,
-                    carry, owner[0])
+                    carry, owner[0], tied)
     layout = ", ".join(f"stage {s.index}: layers {s.layers.start}-{s.layers.stop - 1} on {axis}={owner[s.index]}"
                        for s in specs)
     record_applied(model, f"pp: {n_stages} stages over {axis!r} ({schedule}, {n_microbatches} micro-batches; "
@@ -214,7 +220,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, views: list, specs: list, mesh: DeviceMesh, axis: str, schedule: str,
                  n_microbatches: int, structure: cut.Structure, key_owner: dict, whole_meta: dict,
-                 carry: dict | None = None, first_owner: int = 0):
+                 carry: dict | None = None, first_owner: int = 0, tied: tie.Tie | None = None):
         self.model = model                  # pruned: holds this rank's stages, under the original names
         self.stages = views                 # one module per local stage (cut.stage_view)
         self.specs = specs
@@ -223,6 +229,7 @@ class Pipeline:
         self.structure = structure
         self._carry = carry if carry is not None else {}   # shared with the stages (cut.stage_view)
         self._first_owner = first_owner
+        self._tied = tied                   # the embeddings' weight tied to the head on another stage (tie.py)
         self.pp = mesh.size(axis)
         self.group = mesh.get_group(axis)
         dims = ParallelDims.of(mesh, "pipeline", allow_other_axes=True)
@@ -309,8 +316,11 @@ class Pipeline:
         schedule = self._prepare(input_ids, inputs, train=True)
         losses: list = []
         args = (input_ids,) if self._has_first() else ()
+        held = self._tied.hold_gradient(self.model) if self._tied is not None else None
         self._run(schedule, args, dict(input_ids=input_ids, **inputs), target=labels, losses=losses,
                   return_outputs=False)
+        if self._tied is not None:
+            self._tied.sum_gradients(self.model, held)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:
             total = torch.stack([loss.detach().float() for loss in losses]).sum() / self._loss_scale

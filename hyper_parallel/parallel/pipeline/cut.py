@@ -37,6 +37,7 @@ from torch import nn
 
 from ...dtensor.dtensor import DTensor
 from ..feed import feed_of, named_inputs
+from .tie import tied_names
 
 
 # ---- the structure ------------------------------------------------------------------------------------
@@ -137,9 +138,18 @@ def find_structure(model: nn.Module) -> Structure:
     return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last))
 
 
+# classes whose pipelined gradients the census found off, the cause not yet found: refused, not run wrong
+KNOWN_UNEQUAL = {
+    "HunYuanVLForConditionalGeneration": "its vision tower's gradients differ from one device's under the "
+                                         "pipeline (census --pp 2: 4e-3 in patch_merger), cause not yet found",
+}
+
+
 def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
     """What makes a model uncuttable or the pipeline's loss wrong, refused before anything changes."""
     name = type(model).__name__
+    if n_stages > 1 and name in KNOWN_UNEQUAL:
+        raise ValueError(f"pipeline: {name} is refused: {KNOWN_UNEQUAL[name]}; use dp/tp/cp for this model")
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for c in {id(config): config, id(text): text}.values():
@@ -152,20 +162,16 @@ def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
         raise ValueError(f"pipeline: {name} has gradient checkpointing on; a stage's first layer takes the "
                          f"received hidden state from a one-shot hook that a recomputation would not see: call "
                          f"model.gradient_checkpointing_disable() before pipeline()")
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings()
-    if n_stages > 1 and embed is not None and getattr(embed, "weight", None) is getattr(head, "weight", 1):
-        raise ValueError(f"pipeline: {name} ties its input embeddings to its head (tie_word_embeddings=True) but "
-                         f"they sit on different stages; untie them (model.lm_head.weight = "
-                         f"nn.Parameter(model.lm_head.weight.clone()) and tie_word_embeddings=False in its "
-                         f"config) before pipeline()")
     if n_stages > 1:
+        # the embeddings' weight tied to the head is the one weight two stages may share (pipeline/tie.py)
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        tied = getattr(embed, "weight", None) if tied_names(model) else None
         owner: dict = {}
         parts = [(f"layer {i}", layer) for i, layer in enumerate(layer_list(model, structure))]
         parts += [(path, _get(model, path)) for path in structure.first + structure.last]
         for part, module in parts:
             for p in module.parameters():
-                if owner.setdefault(id(p), part) != part:
+                if p is not tied and owner.setdefault(id(p), part) != part:
                     raise ValueError(f"pipeline: {name}'s {owner[id(p)]} and {part} share parameters (tied weights, "
                                      f"or a block reused across the layer list); the stage "
                                      f"cutter places each parameter on one stage and cannot cut this model: use "
@@ -384,6 +390,7 @@ class StageState:
     pending: Any = None
     layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
+    layer_returned: tuple = ()         # what the first stage's last own layer returned besides the hidden state
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -414,6 +421,7 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         layers._modules[str(i)].__dict__["_hp_state"] = state
     if spec.first:
         original_layers[spec.layers.start].register_forward_hook(_output_form_hook(state))
+        original_layers[spec.layers.stop - 1].register_forward_hook(_returned_hook(state))
     if spec.layers.stop < len(layers._modules):
         layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
@@ -450,6 +458,14 @@ def _output_form_hook(state: StageState):
     """The first stage's first layer's forward hook: note the form of a real layer's output."""
     def hook(module, args, output):
         state.layer_output = len(output) if isinstance(output, tuple) else 0
+    return hook
+
+
+def _returned_hook(state: StageState):
+    """The first stage's last own layer's forward hook: note what it returned besides the hidden state, so a
+    loop that hands it on to the next layer (a layer-to-layer state, not a decoder input) is recognised."""
+    def hook(module, args, output):
+        state.layer_returned = tuple(output[1:]) if isinstance(output, tuple) else ()
     return hook
 
 
@@ -528,7 +544,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
             logits = out[0] if isinstance(out, (tuple, list)) else out
         return _leave(logits)
     if spec.first:
-        carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {})
+        returned, state.layer_returned = state.layer_returned, ()
+        carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {}, returned)
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output)
         known = state.carry.setdefault("spec", carry_spec)
         if known != carry_spec:
@@ -540,15 +557,26 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
 
 
-def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict) -> tuple[CarrySpec, list]:
+def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
+            returned: tuple = ()) -> tuple[CarrySpec, list]:
     """What the first stage handed the decoder stack that later stages cannot compute themselves, as
-    (batch, sequence, ...) tensors, and the spec that decodes them. A floating tensor of the hidden state's
-    shape that the loop hands every layer besides the hidden state (Zamba's original_hidden_states, computed
-    from the embeddings) is refused: later stages would compute it from their placeholder."""
+    (batch, sequence, ...) tensors, and the spec that decodes them. Refused, as later stages would not get
+    it: a floating tensor of the hidden state's shape that the loop hands every layer besides the hidden
+    state (Zamba's original_hidden_states, computed from the embeddings), and a floating value the previous
+    layer returned that the loop hands the next one (`returned`: Zaya's router states), a second state
+    flowing through the layers that the stages' hand-over (the hidden state only) would drop."""
     batch, seq = tuple(ids.shape[:2])
     entries, constants, pieces, masks = [], [], [], {}
     lists = []
     for name, value in layer_kwargs.items():
+        # a floating state is mixed into the next layers' values (Zaya's router states: a layer given None
+        # computes something else, silently); index tensors (GLM-DSA's shared top-k) are left to the layer,
+        # which raises without them when it needs them
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and any(value is r for r in returned):
+            raise ValueError(f"pipeline: the decoder loop hands each layer {name!r}, a tensor the previous layer "
+                             f"returned besides the hidden state (a second state flowing through the layers); "
+                             f"the stages hand each other the hidden state only, so the next stage would not "
+                             f"get it: use dp/tp for this model")
         if (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
                 and tuple(value.shape) == tuple(hidden.shape)):
             raise ValueError(f"pipeline: the decoder loop hands every layer {name!r}, a tensor of the hidden "
