@@ -365,3 +365,25 @@ def test_a_second_state_flowing_through_the_layers_is_refused():
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="hands each layer 'argument 1', a tensor the previous layer returned"):
         pipe.step(ids, labels=ids)
+
+
+def test_positions_that_number_images_across_the_batch_are_computed_on_the_whole_batch():
+    """HunYuan-VL numbers the images of a batch in its 3-D rotary positions (row 1's image is image 1), so a
+    micro-batch computing its own would give row 1 other positions than one device gives it (loss 2e-4 off
+    in the census): the pipeline computes them on the whole batch and hands each micro-batch its rows."""
+    import copy
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type("hunyuan_vl", 0)
+    plain, model = case.model, copy.deepcopy(case.model)
+    inputs = dict(case.inputs)
+    ids, labels = inputs.pop("input_ids"), case.labels["labels"]
+    want = plain(input_ids=ids, labels=labels, **inputs).loss
+    want.backward()
+    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    loss = pipe.step(ids, labels=labels, **inputs)
+    assert float(loss) == pytest.approx(want.item(), abs=1e-6)
+    grads = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, **TOL, msg=lambda m: f"{name}: {m}")

@@ -307,6 +307,7 @@ class Pipeline:
         """
         inputs = _positions_per_row(input_ids, inputs)
         self._check_feed("Pipeline.step", input_ids, labels, inputs, need_labels=True)
+        inputs = cut.with_batch_positions(self.model, input_ids, inputs, self.n_microbatches)
         shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         valid = (shift != IGNORE_INDEX).sum().to(torch.float32).reshape(1).to(self.device)
         for group in self._data_groups:   # the valid tokens of the global batch
@@ -333,6 +334,7 @@ class Pipeline:
         """Logits of this rank's micro-batch, on every rank (forward only, through the same stages)."""
         inputs = _positions_per_row(input_ids, inputs)
         self._check_feed("Pipeline.eval_forward", input_ids, None, inputs, need_labels=False)
+        inputs = cut.with_batch_positions(self.model, input_ids, inputs, self.n_microbatches)
         schedule = self._prepare(input_ids, inputs, train=False)
         args = (input_ids,) if self._has_first() else ()
         out = self._run(schedule, args, dict(input_ids=input_ids, **inputs))

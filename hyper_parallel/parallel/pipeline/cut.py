@@ -138,18 +138,9 @@ def find_structure(model: nn.Module) -> Structure:
     return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last))
 
 
-# classes whose pipelined gradients the census found off, the cause not yet found: refused, not run wrong
-KNOWN_UNEQUAL = {
-    "HunYuanVLForConditionalGeneration": "its vision tower's gradients differ from one device's under the "
-                                         "pipeline (census --pp 2: 4e-3 in patch_merger), cause not yet found",
-}
-
-
 def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
     """What makes a model uncuttable or the pipeline's loss wrong, refused before anything changes."""
     name = type(model).__name__
-    if n_stages > 1 and name in KNOWN_UNEQUAL:
-        raise ValueError(f"pipeline: {name} is refused: {KNOWN_UNEQUAL[name]}; use dp/tp/cp for this model")
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for c in {id(config): config, id(text): text}.values():
@@ -494,6 +485,55 @@ def _stage_class(cls: type) -> type:
 _EVERY_STAGE_INPUTS = ("attention_mask", "position_ids")
 
 
+# the whole batch's 3-D rotary positions, batch first: the schedule cuts every input into micro-batches on dim 0
+BATCH_POSITIONS = "_hp_batch_positions"
+_GRID_INPUTS = ("image_grid_thw", "video_grid_thw")
+
+
+def with_batch_positions(model: nn.Module, input_ids, inputs: dict, n_microbatches: int) -> dict:
+    """`inputs` plus a multimodal model's 3-D rotary positions computed on the whole batch, as one device
+    computes them, when they depend on the batch: a model may number images across the batch (HunYuan-VL's
+    image index), so a micro-batch alone would get other positions than its rows have in the batch.
+
+    Decided by computing them both ways with the model's own `compute_3d_position_ids` (integer work on the
+    token ids, the same on every rank of a pp group, which feed the same batch): equal, or not computable
+    from the caller's inputs alone (Qwen3-Omni derives audio lengths first), and each micro-batch computes
+    its own as before, exact for positions per row; different, and the whole batch's are handed on."""
+    if inputs.get("position_ids") is not None or not any(inputs.get(k) is not None for k in _GRID_INPUTS):
+        return inputs
+    holder = next((m for m in model.modules() if hasattr(type(m), "compute_3d_position_ids")), None)
+    if holder is None or n_microbatches == 1:
+        return inputs
+    whole = _rotary_positions(holder, {"input_ids": input_ids, **inputs})
+    if whole is None:
+        return inputs
+    micro = [_rotary_positions(holder, {k: v.tensor_split(n_microbatches)[i] if isinstance(v, torch.Tensor) and v.ndim
+                                        else v for k, v in {"input_ids": input_ids, **inputs}.items()})
+             for i in range(n_microbatches)]   # as the schedule cuts them: dim 0 in equal parts
+    if all(m is not None for m in micro) and torch.equal(torch.cat(micro, dim=1), whole):
+        return inputs
+    return {**inputs, BATCH_POSITIONS: whole.movedim(1, 0).contiguous()}
+
+
+def _rotary_positions(holder: nn.Module, given: dict):
+    """`holder.compute_3d_position_ids` on `given` (None for a required argument not given), or None when it
+    cannot run on them or returns no (rows, batch, seq) tensor."""
+    params = inspect.signature(holder.compute_3d_position_ids).parameters
+    given = {"inputs_embeds": None, "cache": None, **given}
+    kwargs = {k: given.get(k) for k, p in params.items()
+              if k in given or p.default is inspect.Parameter.empty and p.kind in
+              (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    try:
+        with torch.no_grad():
+            positions = holder.compute_3d_position_ids(**kwargs)
+    except (TypeError, ValueError, IndexError, RuntimeError):
+        return None
+    ids = given["input_ids"]
+    if not (isinstance(positions, torch.Tensor) and positions.ndim == 3 and tuple(positions.shape[1:]) == tuple(ids.shape)):
+        return None
+    return positions
+
+
 def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     """The stage's part of the model's own forward (see the module docstring).
 
@@ -504,6 +544,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     (hidden, *carried), or the logits on the last stage."""
     state: StageState = self.__dict__["_hp_stage"]
     spec = state.spec
+    if BATCH_POSITIONS in inputs:   # this micro-batch's rows of the whole batch's positions (rows, batch, seq)
+        inputs["position_ids"] = inputs.pop(BATCH_POSITIONS).movedim(0, 1)
     call = {"input_ids": received[0] if spec.first and received else inputs.get("input_ids")}
     call.update((k, v) for k, v in inputs.items() if k != "input_ids")
     stage_feed = feed_of(self)
