@@ -367,14 +367,18 @@ def test_a_second_state_flowing_through_the_layers_is_refused():
         pipe.step(ids, labels=ids)
 
 
-def test_positions_that_number_images_across_the_batch_are_computed_on_the_whole_batch():
-    """HunYuan-VL numbers the images of a batch in its 3-D rotary positions (row 1's image is image 1), so a
-    micro-batch computing its own would give row 1 other positions than one device gives it (loss 2e-4 off
-    in the census): the pipeline computes them on the whole batch and hands each micro-batch its rows."""
+@pytest.mark.parametrize("model_type", ["hunyuan_vl", "deepseek_v4"])
+def test_models_whose_stages_differ_from_the_usual_shape_pipeline_as_one_device(model_type):
+    """Two models the census found apart from the usual embeddings -> layers -> head shape:
+    HunYuan-VL numbers the images of a batch in its 3-D rotary positions (row 1's image is image 1), so a
+    micro-batch computing its own gave row 1 other positions (loss 2e-4 off): the pipeline computes them on
+    the whole batch and hands each micro-batch its rows. DeepSeek-V4 widens the embeddings into hc_mult
+    residual streams before its layers: a later stage's placeholder embeddings take the embeddings' shape,
+    not the (wider) hidden state's."""
     import copy
     import hyper_parallel as hp
     from hyper_parallel.tools.auto_models import build_model_type
-    case = build_model_type("hunyuan_vl", 0)
+    case = build_model_type(model_type, 0)
     plain, model = case.model, copy.deepcopy(case.model)
     inputs = dict(case.inputs)
     ids, labels = inputs.pop("input_ids"), case.labels["labels"]

@@ -367,6 +367,7 @@ class CarrySpec:
     entries: tuple = ()
     constants: tuple = ()
     layer_output: int = 0   # what a decoder layer returns: 0 a tensor, n a tuple of n (the stand-ins mimic it)
+    embed_tail: tuple | None = None   # the embeddings' dims after (batch, sequence), when not the hidden state's
 
 
 @dataclass
@@ -382,6 +383,7 @@ class StageState:
     layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
     layer_returned: tuple = ()         # what the first stage's last own layer returned besides the hidden state
+    embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -413,6 +415,9 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
     if spec.first:
         original_layers[spec.layers.start].register_forward_hook(_output_form_hook(state))
         original_layers[spec.layers.stop - 1].register_forward_hook(_returned_hook(state))
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if isinstance(embed, nn.Module):
+            embed.register_forward_hook(_embed_shape_hook(state))
     if spec.layers.stop < len(layers._modules):
         layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
@@ -449,6 +454,16 @@ def _output_form_hook(state: StageState):
     """The first stage's first layer's forward hook: note the form of a real layer's output."""
     def hook(module, args, output):
         state.layer_output = len(output) if isinstance(output, tuple) else 0
+    return hook
+
+
+def _embed_shape_hook(state: StageState):
+    """The first stage's input embeddings' forward hook: note their dims after (batch, sequence), which a
+    model may widen before its layers (DeepSeek-V4's hc_mult residual streams: (b, s, hidden) becomes
+    (b, s, streams, hidden)), so that a later stage's placeholder embeddings have the model's shape."""
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor) and output.ndim >= 2:
+            state.embed_tail = tuple(output.shape[2:])
     return hook
 
 
@@ -562,8 +577,12 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         state.inject = _decode(carried, received[1:], ids, hidden_in)
         state.pending = hidden_in
         call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
-        # a placeholder of the hidden state's shape: models scale their embeddings in place (CTRL)
-        call["inputs_embeds"] = torch.zeros_like(hidden_in)
+        # a placeholder of the embeddings' shape (models scale their embeddings in place: CTRL; the hidden state
+        # between layers may be wider: DeepSeek-V4's residual streams)
+        local = received[0]
+        tail = carried.embed_tail
+        call["inputs_embeds"] = (torch.zeros_like(hidden_in) if tail is None or tail == tuple(local.shape[2:])
+                                 else _enter(local.new_zeros(tuple(local.shape[:2]) + tail), ids))
     else:
         state.capture = {} if not spec.last else None
     try:
@@ -588,7 +607,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     if spec.first:
         returned, state.layer_returned = state.layer_returned, ()
         carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {}, returned)
-        carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output)
+        carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail)
         known = state.carry.setdefault("spec", carry_spec)
         if known != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
