@@ -350,20 +350,21 @@ def test_a_stage_that_fails_fails_on_every_rank(dist2, failing_layer, stage):
     assert f"layer {failing_layer} cannot take this" in errors[0], errors
 
 
-def test_a_second_state_flowing_through_the_layers_is_refused():
-    """Zaya's layers return (hidden, router states) and its loop hands the router states to the next layer:
-    the stages hand each other the hidden state only, so the later stage would start from None and train a
-    different model (the census once found its loss 8e-5 off). Refused, naming the argument, before any step
-    is counted."""
+@pytest.mark.parametrize("model_type", ["zaya", "inkling2_text"])
+def test_a_second_state_flowing_through_the_layers_is_refused(model_type):
+    """Zaya's layers return (hidden, router states) and its loop hands the router states to the next layer;
+    Inkling2's loop stacks block outputs and hands the stack to every layer: the stages hand each other the
+    hidden state only, so a later stage would start from None / an empty stack and train a different model
+    (the census found losses 8e-5 and 4e-3 off). Refused, naming the argument, before any step counts."""
     import transformers
     import hyper_parallel as hp
     from hyper_parallel.tools.auto_models import tiny_config
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("zaya")).float()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).float()
     pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
                        stages_per_rank=2, n_microbatches=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="hands each layer 'argument 1', a tensor the previous layer returned"):
+    with pytest.raises(ValueError, match="hands the layers 'argument 1', a tensor it builds or passes on from layer to layer"):
         pipe.step(ids, labels=ids)
 
 

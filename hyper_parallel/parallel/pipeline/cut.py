@@ -319,7 +319,7 @@ class _Exit(_Skip):
     def forward(self, *args, **kwargs):
         state = self.__dict__.get("_hp_state")
         if state is not None:
-            state.layer_kwargs = {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
+            state.layer_kwargs = _layer_inputs(args, kwargs)
         raise _StageExit(_hidden_arg(args, kwargs))
 
 
@@ -334,10 +334,17 @@ def _stand_in(cls: type, attributes: dict) -> nn.Module:
 
 
 def layer_attributes(model: nn.Module, structure: Structure) -> list[dict]:
-    """Per decoder layer, its plain attributes (str, int, float, bool, None), read before pruning."""
+    """Per decoder layer, its plain attributes (str, int, float, bool, None), read before pruning: its own and
+    its class's (Inkling2's layer classes say `attention_type = "sliding_attention"`)."""
     plain = (str, int, float, bool, type(None))
-    return [{k: v for k, v in layer.__dict__.items() if not k.startswith("_") and isinstance(v, plain)}
-            for layer in layer_list(model, structure)]
+
+    def attributes(layer: nn.Module) -> dict:
+        found = {}
+        for cls in reversed(type(layer).__mro__[:type(layer).__mro__.index(nn.Module)]):
+            found.update(vars(cls))
+        found.update(layer.__dict__)
+        return {k: v for k, v in found.items() if not k.startswith("_") and isinstance(v, plain)}
+    return [attributes(layer) for layer in layer_list(model, structure)]
 
 
 class _Absent(nn.Module):
@@ -382,7 +389,7 @@ class StageState:
     pending: Any = None
     layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
-    layer_returned: tuple = ()         # what the first stage's last own layer returned besides the hidden state
+    first_layer_shapes: dict = field(default_factory=dict)   # the first layer's inputs: name -> shape (None: none)
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
 
 
@@ -414,7 +421,7 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         layers._modules[str(i)].__dict__["_hp_state"] = state
     if spec.first:
         original_layers[spec.layers.start].register_forward_hook(_output_form_hook(state))
-        original_layers[spec.layers.stop - 1].register_forward_hook(_returned_hook(state))
+        original_layers[spec.layers.start].register_forward_pre_hook(_first_layer_hook(state), with_kwargs=True)
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if isinstance(embed, nn.Module):
             embed.register_forward_hook(_embed_shape_hook(state))
@@ -467,11 +474,17 @@ def _embed_shape_hook(state: StageState):
     return hook
 
 
-def _returned_hook(state: StageState):
-    """The first stage's last own layer's forward hook: note what it returned besides the hidden state, so a
-    loop that hands it on to the next layer (a layer-to-layer state, not a decoder input) is recognised."""
-    def hook(module, args, output):
-        state.layer_returned = tuple(output[1:]) if isinstance(output, tuple) else ()
+def _layer_inputs(args: tuple, kwargs: dict) -> dict:
+    """What the loop hands a layer besides the hidden state, by the names `_Exit` notes them under."""
+    return {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
+
+
+def _first_layer_hook(state: StageState):
+    """The first stage's first layer's pre-hook: note the shapes of what the loop hands it, so that what the
+    loop builds or hands on from layer to layer (other at the next stage's first layer) is recognised."""
+    def hook(module, args, kwargs):
+        state.first_layer_shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                                    for k, v in _layer_inputs(args, kwargs).items()}
     return hook
 
 
@@ -605,8 +618,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
             logits = out[0] if isinstance(out, (tuple, list)) else out
         return _leave(logits)
     if spec.first:
-        returned, state.layer_returned = state.layer_returned, ()
-        carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {}, returned)
+        carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {}, state.first_layer_shapes)
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail)
         known = state.carry.setdefault("spec", carry_spec)
         if known != carry_spec:
@@ -619,25 +631,27 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
 
 
 def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
-            returned: tuple = ()) -> tuple[CarrySpec, list]:
+            first_layer_shapes: dict | None = None) -> tuple[CarrySpec, list]:
     """What the first stage handed the decoder stack that later stages cannot compute themselves, as
     (batch, sequence, ...) tensors, and the spec that decodes them. Refused, as later stages would not get
     it: a floating tensor of the hidden state's shape that the loop hands every layer besides the hidden
-    state (Zamba's original_hidden_states, computed from the embeddings), and a floating value the previous
-    layer returned that the loop hands the next one (`returned`: Zaya's router states), a second state
-    flowing through the layers that the stages' hand-over (the hidden state only) would drop."""
+    state (Zamba's original_hidden_states, computed from the embeddings), and a floating tensor the loop
+    hands the next stage's first layer that the first layer got in another shape or not at all
+    (`first_layer_shapes`): a state the loop builds or passes on from layer to layer (Zaya's router states,
+    Inkling2's stack of block outputs), which the stages' hand-over (the hidden state only) would drop."""
     batch, seq = tuple(ids.shape[:2])
     entries, constants, pieces, masks = [], [], [], {}
     lists = []
     for name, value in layer_kwargs.items():
-        # a floating state is mixed into the next layers' values (Zaya's router states: a layer given None
-        # computes something else, silently); index tensors (GLM-DSA's shared top-k) are left to the layer,
-        # which raises without them when it needs them
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and any(value is r for r in returned):
-            raise ValueError(f"pipeline: the decoder loop hands each layer {name!r}, a tensor the previous layer "
-                             f"returned besides the hidden state (a second state flowing through the layers); "
-                             f"the stages hand each other the hidden state only, so the next stage would not "
-                             f"get it: use dp/tp for this model")
+        # a floating state is mixed into the next layers' values (a layer given None or an empty stack computes
+        # something else, silently); index tensors (GLM-DSA's shared top-k) are left to the layer, which
+        # raises without them when it needs them
+        if (first_layer_shapes is not None and isinstance(value, torch.Tensor) and value is not hidden
+                and value.is_floating_point() and first_layer_shapes.get(name) != tuple(value.shape)):
+            raise ValueError(f"pipeline: the decoder loop hands the layers {name!r}, a tensor it builds or passes "
+                             f"on from layer to layer (the first layer got {first_layer_shapes.get(name)}, the "
+                             f"next stage's first {tuple(value.shape)}); the stages hand each other the hidden "
+                             f"state only, so the next stage would not get it: use dp/tp for this model")
         if (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
                 and tuple(value.shape) == tuple(hidden.shape)):
             raise ValueError(f"pipeline: the decoder loop hands every layer {name!r}, a tensor of the hidden "
