@@ -635,19 +635,23 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
     """What the first stage handed the decoder stack that later stages cannot compute themselves, as
     (batch, sequence, ...) tensors, and the spec that decodes them. Refused, as later stages would not get
     it: a floating tensor of the hidden state's shape that the loop hands every layer besides the hidden
-    state (Zamba's original_hidden_states, computed from the embeddings), and a floating tensor the loop
-    hands the next stage's first layer that the first layer got in another shape or not at all
+    state (Zamba's original_hidden_states, computed from the embeddings), and a per-token floating tensor
+    the loop hands the next stage's first layer that the first layer got in another shape or not at all
     (`first_layer_shapes`): a state the loop builds or passes on from layer to layer (Zaya's router states,
     Inkling2's stack of block outputs), which the stages' hand-over (the hidden state only) would drop."""
     batch, seq = tuple(ids.shape[:2])
     entries, constants, pieces, masks = [], [], [], {}
     lists = []
     for name, value in layer_kwargs.items():
-        # a floating state is mixed into the next layers' values (a layer given None or an empty stack computes
-        # something else, silently); index tensors (GLM-DSA's shared top-k) are left to the layer, which
-        # raises without them when it needs them
+        # a per-token floating state, (batch, sequence, ...) as the hidden state, is mixed into the next layers'
+        # values (a layer given None or an empty stack computes something else, silently). Not refused: what
+        # the loop picks per layer type from values computed before it (Beam's attention scaling, (1, 1, s, 1)
+        # for full-attention layers, None for sliding ones), which later stages compute themselves; index
+        # tensors (GLM-DSA's shared top-k), which a layer that needs them raises without
         if (first_layer_shapes is not None and isinstance(value, torch.Tensor) and value is not hidden
-                and value.is_floating_point() and first_layer_shapes.get(name) != tuple(value.shape)):
+                and value.is_floating_point() and value.ndim > 2
+                and tuple(value.shape[:2]) == tuple(hidden.shape[:2])
+                and first_layer_shapes.get(name) != tuple(value.shape)):
             raise ValueError(f"pipeline: the decoder loop hands the layers {name!r}, a tensor it builds or passes "
                              f"on from layer to layer (the first layer got {first_layer_shapes.get(name)}, the "
                              f"next stage's first {tuple(value.shape)}); the stages hand each other the hidden "
