@@ -208,7 +208,7 @@ def cache_problem(cache) -> str | None:
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
     kinds = (DynamicLayer, DynamicSlidingWindowLayer)
     layers = {type(layer).__name__ for layer in getattr(cache, "layers", ()) if type(layer) not in kinds}
-    if isinstance(cache, DynamicCache) and not layers \
+    if isinstance(cache, DynamicCache) and type(cache).update is DynamicCache.update and not layers \
             and getattr(cache, "layer_class_to_replicate", None) in (None,) + kinds:
         return None
     what = type(cache).__name__ + (f" with {sorted(layers)} layers" if layers and isinstance(cache, DynamicCache) else "")
