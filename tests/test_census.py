@@ -348,7 +348,7 @@ def test_type_census_expert_context_pipeline_scenarios():
     assert "no MoE experts" in ep.results[1].why and ep.summary()["plain_ok"] == 1
     cp = run_type_census(["llama", "bert"], cp=2, jobs=2)
     assert [r.status for r in cp.results] == ["ok", "not applicable"], [r.why for r in cp.results]
-    assert "logits" in cp.results[0].runs[0].detail or "outputs" in cp.results[0].runs[0].detail  # prefill
+    assert "tokens identical" in cp.results[0].runs[0].detail, cp.results[0].runs[0].detail  # generate
     pp = run_type_census(["llama"], "train", pp=2)
     assert pp.results[0].status == "ok", pp.results[0].why
     assert "over 2 stages" in pp.results[0].runs[0].detail

@@ -6,18 +6,21 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import hyper_parallel as hp
+from hyper_parallel.parallel.context.attention import METHODS
 from hyper_parallel.parallel.context.ring import Visibility, block_forward, merge
 
 SEQ, BATCH, VOCAB = 16, 2, 96
 
 
 def _model(name: str, attn: str = "sdpa", kv_heads: int = 4):
-    """Tiny Llama (4 heads) or Qwen3 (8 query heads over 4 key/value heads: GQA); no dropout."""
+    """Tiny Llama (4 heads) or Qwen3 (8 query heads over 4 key/value heads: GQA); "qwen3_window": its second layer
+    a sliding-window one (window 4: its cache layer keeps the last 3 keys); no dropout."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False)
+    window = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1) if name == "qwen3_window" else {}
     config = (LlamaConfig(num_attention_heads=4, num_key_value_heads=kv_heads, **common) if name == "llama"
-              else Qwen3Config(num_attention_heads=8, num_key_value_heads=4, head_dim=8, **common))
+              else Qwen3Config(num_attention_heads=8, num_key_value_heads=4, head_dim=8, **common, **window))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
 
@@ -230,3 +233,130 @@ def test_models_it_would_split_wrong_are_refused_on_every_rank(dist2):
     scan, sinks, mamba, hybrid, chunked = said[0]
     assert "none of its layers attended" in scan and "s_aux" in sinks, said[0]
     assert "layer_types" in mamba and "linear_attention" in hybrid and "attention_chunk_size" in chunked, said[0]
+
+
+# ---- generate: the prompt forward split, decoding as on one device ------------------------------------------
+def _prompts(batch: int, seq: int, pads: tuple, seed: int = 3):
+    """`batch` prompts of `seq` tokens, row r left-padded by pads[r] tokens (ids 0, attention_mask 0)."""
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _generated(model, prompts: dict, new: int):
+    with torch.no_grad():
+        tokens = model.generate(**prompts, max_new_tokens=new, do_sample=False)
+    assert not isinstance(tokens, hp.DTensor), tokens.dist_layout  # generate's loop ran on plain tokens
+    return tokens
+
+
+def _generate_cases(rank, world, cases):
+    """Worker: for each (model, method, batch, seq, pads, new tokens) greedy generate under context_parallel equals
+    the plain model's tokens."""
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    models = {}
+    for name, method, batch, seq, pads, new in cases:
+        if (name, method) not in models:
+            ref = _model(name).eval()
+            models[name, method] = ref, hp.context_parallel(copy.deepcopy(ref), mesh, "cp", method).eval()
+        ref, model = models[name, method]
+        prompts = _prompts(batch, seq, pads)
+        want, got = _generated(ref, prompts, new), _generated(model, prompts, new)
+        assert torch.equal(got, want), (name, method, pads, got, want)
+    return True
+
+
+def _generate_and_cache(rank, world):
+    """Worker: generate under cp equals the plain model (Llama and Qwen3's GQA, ring and ulysses, left padding
+    of rows of different lengths, a sliding-window layer; sampling with one seed); the prompt forward leaves the KV cache whole (replicated over "cp") and in
+    the plain order, equal to the plain model's; a prompt that does not split and a static cache are refused
+    (the messages are compared across ranks by the caller)."""
+    from transformers import DynamicCache
+    cases = [(name, method, 2, 8, pads, 5) for name in ("llama", "qwen3") for method in ("ring", "ulysses")
+             for pads in ((0, 0), (0, 3))] + [("qwen3_window", "ring", 2, 8, (0, 3), 5)]
+    _generate_cases(rank, world, cases)
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ref = _model("qwen3").eval()
+    model = hp.context_parallel(copy.deepcopy(ref), mesh, "cp", "ring").eval()
+    prompts = _prompts(2, 8, (0, 3))
+    with torch.no_grad():
+        out = model(**prompts, cache=DynamicCache(config=model.config), use_cache=True)
+        want = ref(**prompts, cache=DynamicCache(config=ref.config), use_cache=True)
+    assert torch.allclose(_full(out.logits), want.logits, atol=1e-5)
+    for layer, plain in zip(out.cache.layers, want.cache.layers):
+        for got, exp in ((layer.keys, plain.keys), (layer.values, plain.values)):
+            assert got.placements == (hp.Replicate(),) and torch.allclose(got.to_local(), exp, atol=1e-5)
+    # sampling: the same seed on every rank gives one process's tokens; ranks that sample apart are stopped
+    torch.manual_seed(5)
+    want = ref.generate(**prompts, max_new_tokens=3, do_sample=True)
+    torch.manual_seed(5)
+    assert torch.equal(model.generate(**prompts, max_new_tokens=3, do_sample=True), want)
+    torch.manual_seed(rank)
+    with pytest.raises(hp.FeedError, match="fed different micro-batches"):
+        model.generate(**prompts, max_new_tokens=3, do_sample=True)
+    said = []
+    for prompts, kwargs in ((_prompts(2, 7, (0, 0)), {}), (_prompts(2, 8, (0, 0)), {"cache_implementation": "static"})):
+        with pytest.raises(hp.FeedError) as e:
+            model.generate(**prompts, max_new_tokens=2, do_sample=False, **kwargs)
+        said.append(str(e.value))
+    assert "multiple of 2 x 'cp' size = 4" in said[0] and "left-pad the prompts" in said[0], said[0]
+    assert "KV cache of type StaticCache is not supported" in said[1], said[1]
+    return said
+
+
+def test_generate_equals_one_process_and_refusals_on_every_rank(dist2):
+    said = dist2.run(_generate_and_cache)
+    assert said[0] == said[1], said
+
+
+def _generate_with_tensor_parallel(rank, world):
+    """Worker: cp=2 x tp=2 (the cache's heads split over "tp", its sequence whole), left padding."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    ref = _model("qwen3").eval()
+    prompts = _prompts(2, 8, (2, 0))
+    want = _generated(ref, prompts, 4)
+    for method in ("ring", "ulysses"):
+        model = hp.context_parallel(hp.shard(copy.deepcopy(ref), hp.ShardingPlan(plan=TP_PLAN), mesh), mesh, "cp",
+                                    method).eval()
+        got = _generated(model, prompts, 4)
+        assert torch.equal(got, want), (method, got, want)
+    return True
+
+
+def test_generate_with_tensor_parallel(dist4):
+    dist4.run(_generate_with_tensor_parallel)
+
+
+def _generate_of_layers_that_reshape_their_cache(rank, world):
+    """Worker: JetMoE repeats its key/value heads and DiffLlama regroups its values after caching them: the cache
+    is filled where the layer caches (its `update`), not from what reaches the attention, and equals one
+    process's tokens."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    for model_type in ("jetmoe", "diffllama"):
+        ref = build_model_type(model_type).model.eval()
+        model = hp.context_parallel(copy.deepcopy(ref), mesh).eval()
+        prompts = _prompts(2, 8, (0, 2))
+        prompts["input_ids"] = prompts["input_ids"] % 50
+        want, got = _generated(ref, prompts, 4), _generated(model, prompts, 4)
+        assert torch.equal(got, want), (model_type, got, want)
+    return True
+
+
+def test_generate_of_layers_that_reshape_their_cache(dist2):
+    dist2.run(_generate_of_layers_that_reshape_their_cache)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from(["llama", "qwen3"]), st.sampled_from(METHODS), st.integers(1, 2), st.integers(1, 3),
+       st.data())
+def test_generate_property(dist2, name, method, batch, chunks, data):
+    """Random prompts whose length divides by 2 x cp (4, 8, 12 tokens), left padding per row (a row may be all
+    padding but its last token), 1 to 4 new tokens, any method: the same tokens as one process."""
+    seq = 4 * chunks
+    pads = tuple(data.draw(st.integers(0, seq - 1)) for _ in range(batch))
+    new = data.draw(st.integers(1, 4))
+    dist2.run(_generate_cases, [(name, method, batch, seq, pads, new)])

@@ -1,7 +1,8 @@
 """Context parallelism on the requirement's multimodal models fed an image (and audio for the Omni thinker), on 2
 gloo ranks against one plain process on the same global batch (API §9, §16): the language sequence, placeholder
 tokens included, is split; the 3-D rotary positions stay global; the towers run as on one device and keep their
-own attention. Loss and every gradient within 1e-5; generate and unsplittable inputs refused on every rank."""
+own attention. Loss and every gradient within 1e-5; greedy generate gives the same tokens; unsplittable inputs
+refused on every rank."""
 from __future__ import annotations
 
 import pytest
@@ -101,6 +102,30 @@ def test_dp2_cp2_hsdp_with_image(dist4, kind):
     check(results, kind, lambda kind: reference(kind, even_labels=True, pad_to=_pad(2)))
 
 
+def _generate_with_image(rank, world, method):
+    """Worker: greedy generate with an image per prompt (prompts left-padded to a multiple of 2 x cp): the prompt
+    forward split at the language model's entry fills the KV cache whole, the decoding steps run as on one
+    device (the 3-D positions from the model's own rope deltas); the tokens of one plain process."""
+    import copy
+    import torch
+    import hyper_parallel as hp
+    from hyper_parallel.tools.model_inputs import pad_tokens
+    model, inputs, labels = build("qwen3_vl", layers=2)
+    inputs, _ = pad_tokens(inputs, labels, _pad(world), left=True)
+    ref = copy.deepcopy(model).eval()
+    hp.context_parallel(model, hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)), "cp", method).eval()
+    with torch.no_grad():
+        want = ref.generate(**inputs, max_new_tokens=4, do_sample=False)
+        got = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert not isinstance(got, hp.DTensor) and torch.equal(got, want), (got, want)  # plain tokens, as on one device
+    return True
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_cp2_generate_with_image_matches_one_process(dist2, method):
+    dist2.run(_generate_with_image, method)
+
+
 def _refusals(rank, world):
     """Worker: what context parallelism cannot take is refused on every rank, from shapes, with the fix named."""
     import torch
@@ -119,8 +144,10 @@ def _refusals(rank, world):
     with pytest.raises(hp.FeedError, match="token_type_ids mark image / prefix tokens"):
         model(**inputs, labels=labels, token_type_ids=(inputs["input_ids"] == IMAGE).long())  # Gemma3's form
     model.eval()
-    with pytest.raises(hp.FeedError, match="model.generate.*not decoding"):
-        model.generate(**inputs, max_new_tokens=2)
+    _, inputs, _ = build("qwen3_vl", layers=1)
+    with pytest.raises(hp.FeedError, match="14 must be a multiple of 2 x 'cp' size = 4.*left-pad the prompts") as e:
+        model.generate(**inputs, max_new_tokens=2)   # 14 tokens
+    seen.append(str(e.value))
     return seen
 
 

@@ -7,8 +7,9 @@
 - ep N: `expert_parallel(model, mesh, "ep")`: experts spread, the batch split by the model's own hook;
   a model without MoE experts is "not applicable".
 - cp N: `context_parallel(model, mesh, "cp")`: the sequence split by the model's own hook (the tiny inputs padded
-  to a multiple of 2N tokens, mask 0 and labels -100, for both runs); generate mode
-  compares the prefill forward (what context parallel promises); types without a decoder are "not applicable".
+  to a multiple of 2N tokens, mask 0 and labels -100, for both runs: on the left in generate mode, as prompts
+  are); generate mode compares the generated tokens (the prompt forward split, the decoding steps whole);
+  types without a decoder are "not applicable".
 - pp N: `pipeline(model, mesh, "pp")`: one training step through the stages (1F1B, 2 micro-batches), loss
   and every rank's gradients compared with the plain step; types without a decoder are "not applicable".
 """
@@ -65,9 +66,7 @@ class Scenario:
         if self.name == "pp":
             return pipeline_run(name, build, self.mesh, record)
         if self.name == "cp":
-            build = _padded(build, 2 * self.world)
-        if self.name == "cp" and mode == "generate":
-            build = _prefill(build)
+            build = _padded(build, 2 * self.world, left=mode == "generate")
         return _run_one(name, mode, build, max_new_tokens, self.wrap_input, self.wrap_param, record,
                         self.shard_model, plain_only=self.name == "plain")
 
@@ -98,23 +97,15 @@ def _counts_experts(d: dict) -> bool:
                for k, v in d.items())
 
 
-def _padded(build: Callable[[], ModelCase], multiple: int) -> Callable[[], ModelCase]:
-    """Context parallel takes sequences of a multiple of 2 x cp tokens: the tiny inputs padded right as a
-    tokenizer's pad_to_multiple_of pads them (mask 0, labels -100), for the plain and the parallel run alike."""
+def _padded(build: Callable[[], ModelCase], multiple: int, left: bool = False) -> Callable[[], ModelCase]:
+    """Context parallel takes sequences of a multiple of 2 x cp tokens: the tiny inputs padded as a tokenizer's
+    pad_to_multiple_of pads them (mask 0, labels -100; on the left for generate, `left`), for the plain and the
+    parallel run alike."""
     from .model_inputs import pad_tokens
 
     def built() -> ModelCase:
         case = build()
-        case.inputs, case.labels = pad_tokens(case.inputs, case.labels, multiple)
-        return case
-    return built
-
-
-def _prefill(build: Callable[[], ModelCase]) -> Callable[[], ModelCase]:
-    """Context parallel promises prefill logits, loss and gradients: its generate mode compares a forward."""
-    def built() -> ModelCase:
-        case = build()
-        case.can_generate = False
+        case.inputs, case.labels = pad_tokens(case.inputs, case.labels, multiple, left=left)
         return case
     return built
 

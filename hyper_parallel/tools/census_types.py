@@ -146,8 +146,16 @@ _RUN_FIELDS = {f for f in RunReport.__dataclass_fields__ if f not in ("model", "
 
 
 def _last_line(text: str) -> str:
+    """The exception line of a traceback; of a FeedError (its header, then a line per reason, then advice) the
+    first reason, which says what was refused."""
     lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    header = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith(_FEED_ERROR)), None)
+    if header is not None and header + 1 < len(lines):
+        return f"FeedError: {lines[header + 1].strip()}"[:200]
     return lines[-1].strip()[:200] if lines else ""
+
+
+_FEED_ERROR = "hyper_parallel.parallel.feed.FeedError: "
 
 
 @dataclass
@@ -334,7 +342,8 @@ _SCENARIO_ABOUT = {
     "ep": " With `--ep N` each type runs on N gloo processes through `expert_parallel(model, mesh, \"ep\")` "
           "(experts spread, the batch split); dense types are named at the end as not applicable.",
     "cp": " With `--cp N` each type runs on N gloo processes through `context_parallel(model, mesh, \"cp\")` (ring "
-          "attention, the sequence split); generate mode compares the prefill forward; types without a decoder "
+          "attention, the sequence split; prompts left-padded in generate mode, whose prompt forward is split and "
+          "whose decoding steps run whole); types without a decoder "
           "are named at the end as not applicable.",
     "pp": " With `--pp N` each type runs one training step through `pipeline(model, mesh, \"pp\")` (1F1B, 2 "
           "micro-batches) on N gloo processes; the loss and every stage's gradients are compared with the plain "

@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(types whose config has no base_model_tp_plan are listed as such)")
     for flag, what in (("ep", "expert_parallel(model, mesh, 'ep'): experts spread, batch split (dense types: not "
                                "applicable)"),
-                       ("cp", "context_parallel(model, mesh, 'cp'): sequence split, prefill and training compared "
+                       ("cp", "context_parallel(model, mesh, 'cp'): sequence split, generate and training compared "
                               "(types without a decoder: not applicable)"),
                        ("pp", "pipeline(model, mesh, 'pp'): one 1F1B training step over the stages (types without "
                               "a decoder: not applicable)")):

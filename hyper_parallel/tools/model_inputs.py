@@ -578,11 +578,12 @@ def _with_feature_count(model, cfg, head: str, seed: int, batch: int, inputs: di
 __all__ = ["make_inputs", "fitting_inputs", "fed_modalities", "head_labels", "VARIANTS", "SEQ", "VOCAB"]
 
 
-def pad_tokens(inputs: dict, labels: dict | torch.Tensor, multiple: int):
+def pad_tokens(inputs: dict, labels: dict | torch.Tensor, multiple: int, left: bool = False):
     """The per-token inputs (2-D tensors shaped like input_ids: ids, masks, token types) and labels
     right-padded to a multiple of `multiple` tokens, as a tokenizer's `pad_to_multiple_of` pads them: ids and
     token types 0, attention_mask 0, labels -100 (what context parallelism asks for: 2 x cp). `labels` is a
-    tensor or a dict of them; other inputs (pixels, grids, audio) are left as they are."""
+    tensor or a dict of them; other inputs (pixels, grids, audio) are left as they are. `left`: padded at the
+    start instead, as prompts for `generate` are (padding_side="left"), so that every row ends in its last token."""
     ids = inputs.get("input_ids")
     extra = 0 if ids is None or ids.ndim != 2 else -ids.shape[1] % multiple
     if not extra:
@@ -591,7 +592,7 @@ def pad_tokens(inputs: dict, labels: dict | torch.Tensor, multiple: int):
 
     def pad(t, value=0):
         per_token = isinstance(t, torch.Tensor) and tuple(t.shape) == shape
-        return torch.nn.functional.pad(t, (0, extra), value=value) if per_token else t
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value) if per_token else t
 
     inputs = {k: pad(v) for k, v in inputs.items()}
     if isinstance(labels, dict):

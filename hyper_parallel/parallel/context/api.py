@@ -13,7 +13,7 @@ from ...layout.mesh import DeviceMesh
 from .. import feed
 from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
-from .attention import METHODS, ContextSettings, register_attention
+from .attention import METHODS, ContextSettings, register_attention, split_over_axis
 from .multimodal import check_language_model, language_model_of, split_at_language_model
 from .zigzag import reorder, token_index, zigzag_slice
 
@@ -22,6 +22,8 @@ SEQ_DIM = 1
 # order, as the base model's outputs are put back into it before the head and the loss
 ZIGZAG_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 PLAIN_INPUTS = ("labels",)
+# the names of a KV cache among a forward's inputs (transformers 5 calls it `cache`, earlier `past_key_values`)
+CACHE_INPUTS = ("cache", "past_key_values")
 
 
 # layer_types words of layers that mix the sequence without attention (linear attention, state-space scans)
@@ -41,6 +43,9 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     A multimodal model whose decoder is a sub-module (Qwen3-VL's `model.language_model`) is fed whole, so
     that its towers, the placeholder scatter and the 3-D rotary positions see the whole sequence as on one
     device; the sequence is split at the language model's entry instead (`multimodal.py`).
+
+    `model.generate` works as on one device: its prompt forward is split and fills the KV cache whole, its
+    decoding steps run whole on every rank (`SequenceSplit`; prompts left-padded to a multiple of 2n).
     """
     mesh = mesh.mesh if isinstance(mesh, (Layout, PlacementLayout)) else mesh
     if method not in METHODS:
@@ -70,6 +75,7 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     # text config is the model's own: Git's, Kimi-K2.5's)
     config._attn_implementation = {"": register_attention(settings)}
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
+    model.register_forward_hook(whole_logits_when_cached)
     if language is None:
         model.base_model.register_forward_hook(functools.partial(plain_order_outputs, settings))
     else:
@@ -94,10 +100,15 @@ def _check_heads_divide(config, mesh: DeviceMesh, settings: ContextSettings) -> 
 
 class SequenceSplit:
     """The input step of context parallelism: the ranks of the axis feed the same whole sequences, split
-    here over the axis in the zigzag order (global positions, a padding mask whole on every rank)."""
+    here over the axis in the zigzag order (global positions, a padding mask whole on every rank).
+
+    `model.generate`: its prompt forward (an empty KV cache) is split like any forward, and fills the cache
+    whole and in the plain order (`fill_whole`); its decoding steps (a cache that holds keys) are not
+    split: every rank runs them as one device does, on the same whole tokens."""
 
     name = "cp"
     may_refuse = True  # sequence lengths change from step to step
+    # generate's loop runs on whole plain tokens, the same on every rank: only its forwards are split
     for_generate = False
 
     def __init__(self, settings: ContextSettings, split_here: bool = True):
@@ -107,11 +118,11 @@ class SequenceSplit:
 
     def refuse(self, inputs: dict) -> str | None:
         """Why these inputs cannot be split over the axis (decided from shapes, before anything runs)."""
-        if inputs.get("past_key_values") is not None or inputs.get("cache") is not None:
-            return ("context_parallel: a KV cache (model.generate, or a call with past_key_values/cache) is not "
-                    "supported: context parallelism runs training and prefill forwards, not decoding; generate "
-                    "with the model before context_parallel (or a copy of it), and call this one without "
-                    "past_key_values/cache")
+        cache = cache_of(inputs)
+        if cache is not None:
+            problem = cache_problem(cache)
+            if problem or cache.get_seq_length():
+                return problem  # a decoding step (the cache holds keys already) is not split
         ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         if ref is None:
             return None
@@ -119,10 +130,12 @@ class SequenceSplit:
             return f"context_parallel: input_ids/inputs_embeds need a batch and a sequence dim, got shape {tuple(ref.shape)}"
         batch, seq_len, parts = ref.shape[0], ref.shape[SEQ_DIM], self.settings.parts
         if seq_len % (2 * parts):
+            pad = (f"left-pad the prompts, tokenizer(..., padding=True, padding_side='left', pad_to_multiple_of="
+                   f"{2 * parts}), with attention_mask 0 on the padding" if cache is not None else
+                   f"pad the batch, e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
+                   "attention_mask 0 and labels -100 on the padding")
             return (f"context_parallel: the sequence length {seq_len} must be a multiple of 2 x "
-                    f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); pad the batch, "
-                    f"e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
-                    "attention_mask 0 and labels -100 on the padding")
+                    f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); {pad}")
         if not self.split_here and _marks_bidirectional_tokens(inputs.get("token_type_ids")):
             return ("context_parallel: token_type_ids mark image / prefix tokens, which this multimodal model "
                     "attends bidirectionally (Gemma3, PaliGemma); context-parallel attention is causal (with "
@@ -150,7 +163,11 @@ class SequenceSplit:
         """Forward pre-hook body: the inputs' sequence dim split over the axis (zigzag order, global positions)."""
         settings = self.settings
         kwargs = feed.named_inputs(module, args, kwargs)
-        kwargs["use_cache"] = False  # a cache would gather the split keys and values
+        if decoding(kwargs):  # whole, as on one device (a multimodal model's language model sees the same cache)
+            settings.split_pending = False
+            return (), kwargs
+        if cache_of(kwargs) is None:
+            kwargs["use_cache"] = False  # no cache made inside: it would take the split keys and values
         ref = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if ref is None:
             return (), kwargs
@@ -160,6 +177,44 @@ class SequenceSplit:
             if kwargs.get(name) is not None:
                 kwargs[name] = split(settings, kwargs[name], zigzag=False)
         return (), kwargs
+
+
+def cache_of(inputs: dict):
+    """The KV cache among a forward's inputs, or None."""
+    return next((inputs[n] for n in CACHE_INPUTS if inputs.get(n) is not None), None)
+
+
+def decoding(inputs: dict) -> bool:
+    """Is this forward a decoding step: a KV cache that holds keys already (whole, from the prompt forward)?"""
+    cache = cache_of(inputs)
+    return cache is not None and bool(cache.get_seq_length())
+
+
+def whole_logits_when_cached(module: nn.Module, args, output):
+    """Forward hook of the model: a forward with a KV cache (generate's) returns its logits whole, as a plain
+    tensor, so that generate's loop runs on plain tokens as on one device; the feed check then compares them
+    across the ranks at every step (ranks that sampled different tokens raise FeedError on every rank, where
+    a DTensor's values would go unchecked)."""
+    logits = output.get("logits") if hasattr(output, "get") else None
+    if isinstance(logits, DTensor) and cache_of(output) is not None:
+        output["logits"] = logits.full_tensor()
+    return output
+
+
+def cache_problem(cache) -> str | None:
+    """Why context parallelism cannot fill or decode over this KV cache, or None: it fills transformers'
+    DynamicCache (generate's default) through its layers' own `update`, which a full or sliding-window layer
+    makes as on one device; a static or quantized cache, or layers of another kind, are refused."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    kinds = (DynamicLayer, DynamicSlidingWindowLayer)
+    layers = {type(layer).__name__ for layer in getattr(cache, "layers", ()) if type(layer) not in kinds}
+    if isinstance(cache, DynamicCache) and type(cache).update is DynamicCache.update and not layers \
+            and getattr(cache, "layer_class_to_replicate", None) in (None,) + kinds:
+        return None
+    what = type(cache).__name__ + (f" with {sorted(layers)} layers" if layers and isinstance(cache, DynamicCache) else "")
+    return (f"context_parallel: a KV cache of type {what} is not supported: the prompt forward fills "
+            "transformers' DynamicCache (generate's default, cache_implementation='dynamic') with full or "
+            "sliding-window layers only; generate with that cache, or with the model before context_parallel")
 
 
 def _marks_bidirectional_tokens(token_types) -> bool:
@@ -181,6 +236,7 @@ def split_sequence(settings: ContextSettings, kwargs: dict, ref: Tensor) -> None
     always a padding mask, whole on every rank (without one, transformers would read the zigzag position ids
     as packed sequences)."""
     settings.split_pending, settings.attention_calls = True, 0
+    settings.filling = fill_whole(settings, cache_of(kwargs))
     seq_len = ref.shape[SEQ_DIM]
     plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
     if kwargs.get("position_ids") is None:
@@ -196,6 +252,45 @@ def split_sequence(settings: ContextSettings, kwargs: dict, ref: Tensor) -> None
         if value is not None:
             dim = value.ndim - 1 if name == "position_ids" else SEQ_DIM
             kwargs[name] = split(settings, value, zigzag=True, dim=dim)
+
+
+def fill_whole(settings: ContextSettings, cache):
+    """A prompt forward's (empty) KV cache, its `update` made to store whole keys for this forward; or None."""
+    if cache is not None and "update" not in cache.__dict__:
+        cache.update = functools.partial(_update_whole, settings, cache)
+    return cache
+
+
+def _update_whole(settings: ContextSettings, cache, keys, values, layer_idx: int, *args, **kwargs):
+    """The KV cache's `update` in a split forward: each layer's keys and values (split on the sequence over the
+    axis, in the zigzag order) are stored whole and in the plain order (one all-gather of both) by the cache's
+    own `update`, so that the cache is one device's (a sliding-window layer keeps its last keys) and the
+    decoding steps run whole; the layer gets back its own split keys and values, which is what an empty
+    layer's update returns. Hooked here and not at the attention: a layer may reshape what it caches before it
+    attends (JetMoE repeats the key/value heads, DiffLlama regroups the values). Outside the prompt forward the
+    cache's own `update`."""
+    update = type(cache).update
+    if settings.filling is not cache:
+        return update(cache, keys, values, layer_idx, *args, **kwargs)
+    if not (split_over_axis(settings, keys) and split_over_axis(settings, values)):
+        raise ValueError(f"context_parallel: the keys/values layer {layer_idx} caches are not split on their "
+                         f"sequence dim (2) over {settings.axis!r}, so the KV cache cannot be filled as one "
+                         "device's; generate with the model before context_parallel")
+    kv = whole_in_plain_order(settings, torch.cat([keys, values], -1), 2)
+    split = keys.shape[-1]
+    update(cache, kv[..., :split], kv[..., split:], layer_idx, *args, **kwargs)
+    return keys, values
+
+
+def whole_in_plain_order(settings: ContextSettings, t: DTensor, dim: int) -> DTensor:
+    """A DTensor split on `dim` over the axis in the zigzag order, whole (replicated over the axis) and in the
+    plain order: one all-gather, then a local permutation; its other dims as they are."""
+    layout = t.dist_layout
+    tensor_map = list(layout.tensor_map)
+    tensor_map[dim] = ()
+    whole = t.redistribute(layout.with_map(tensor_map, layout.partial))  # the zigzag order
+    zigzag = torch.cat(settings.ring(t.shape[dim], "cpu").index)
+    return whole.index_select(dim, torch.argsort(zigzag).to(t.to_local().device))
 
 
 def _padding_mask(settings: ContextSettings, mask: Tensor):
@@ -265,6 +360,9 @@ def plain_order_outputs(settings: ContextSettings, module: nn.Module, args, outp
     every rank alike, rather than returned wrong."""
     if settings.split_pending:
         settings.split_pending = False
+        if settings.filling is not None:  # the cache's own `update` again
+            settings.filling.__dict__.pop("update", None)
+            settings.filling = None
         if not settings.attention_calls:
             raise ValueError(f"context_parallel: {type(module).__name__} split its sequence over "
                              f"{settings.axis!r} but none of its layers attended through transformers' attention "

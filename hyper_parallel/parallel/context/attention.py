@@ -44,6 +44,9 @@ class ContextSettings:
     # sequence some other way (a recurrent scan, attention code of its own), which the split makes wrong
     attention_calls: int = field(init=False, default=0)
     split_pending: bool = field(init=False, default=False)
+    # the KV cache a split (prompt) forward fills, or None: its `update` stores each layer's keys and values whole
+    # and in the plain order, as one device holds them (a sequence-split cache could not serve a decoding step)
+    filling: object = field(init=False, default=None)
 
     def __post_init__(self):
         self.axis_index = self.mesh.axis_index(self.axis)
@@ -68,10 +71,14 @@ def register_attention(settings: ContextSettings) -> str:
                   sliding_window=None, softcap=None, **kwargs):
         changing = sorted(k for k in MATH_KWARGS if kwargs.get(k) is not None)
         if changing:
-            raise ValueError(f"context_parallel attention in {type(module).__name__}: {', '.join(changing)} "
+            raise ValueError(f"{_where(module)}: {', '.join(changing)} "
                              f"(attention sinks or a bias added to the scores) is not supported; run this "
                              f"model without context parallelism")
         settings.attention_calls += 1
+        if not settings.split_pending and not split_over_axis(settings, query):
+            # nothing split this forward (a decoding step over a whole cache): attention as on one device
+            return whole_attention(settings, module, query, key, value, attention_mask, scaling, is_causal,
+                                   sliding_window, softcap)
         return context_attention(settings, module, query, key, value, attention_mask, dropout, scaling,
                                  is_causal, sliding_window, softcap)
 
@@ -88,24 +95,17 @@ def _padding_mask_as_is(attention_mask=None, **_):
 def context_attention(settings, module, query, key, value, attention_mask, dropout, scaling, is_causal,
                       sliding_window, softcap):
     """(b, L, heads, dv) DTensor output of exact attention over the whole (split) sequence, and None."""
-    where = f"context_parallel attention in {type(module).__name__}"
+    where = _where(module)
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; set the config's "
                          "attention_dropout to 0")
-    if softcap is not None:
-        raise ValueError(f"{where}: logit softcapping is not supported")
+    _refuse_softcap(softcap, where)
     query, key, value = _common_layout(settings, query, key, value, where)
     if isinstance(attention_mask, Tensor) and attention_mask.ndim != 2:
         raise ValueError(f"{where}: only 2D padding masks are supported, got a {attention_mask.ndim}D mask")
     seq_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    key_ok = None
-    if attention_mask is not None:
-        full = attention_mask.full_tensor() if isinstance(attention_mask, DTensor) else attention_mask
-        # a mask on the meta device (hp.plan's trace) has no values to read: planned as no padding, as the
-        # plan feeds unpadded rows
-        key_ok = None if full.is_meta or bool(full.all()) else full.to(torch.bool)
-    vis = Visibility(bool(causal), sliding_window, key_ok)
+    vis = Visibility(bool(causal), sliding_window, _padding_keys(attention_mask))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.to_local(), key.to_local(), value.to_local()
     ring = settings.ring(seq_len, q.device)
@@ -115,16 +115,73 @@ def context_attention(settings, module, query, key, value, attention_mask, dropo
         out = _ulysses(settings, ring, vis, q, k, v, scale, where)
     else:
         out = _allgather(settings, ring, vis, q, k, v, scale)
+    return _output(out, query, value), None
+
+
+def _where(module) -> str:
+    return f"context_parallel attention in {type(module).__name__}"
+
+
+def _output(out: Tensor, query, value):
+    """This rank's attention output (b, heads, L, dv) as the (b, L, heads, dv) DTensor laid out as q is."""
+    if not isinstance(query, DTensor):
+        return out.transpose(1, 2).contiguous()
     shape = tuple(query.shape[:3]) + (value.shape[-1],)
     out = DTensor.from_local(out, query.dist_layout, shape=shape)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
-def _common_layout(settings, query, key, value, where):
-    """q, k, v in one layout: the sequence (dim 2) split over the axis, heads split as q's are where the
-    key/value heads divide (else whole), batch as it comes, head_dim whole, no pending reduction."""
+def _refuse_softcap(softcap, where: str) -> None:
+    if softcap is not None:
+        raise ValueError(f"{where}: logit softcapping is not supported")
+
+
+def _padding_keys(attention_mask, keys: int | None = None) -> Tensor | None:
+    """(b, keys) bool: which keys the 2D padding mask lets be seen (its last `keys` columns where given: the keys
+    a sliding-window cache layer kept), or None where it hides none. A mask on the meta device (hp.plan's trace)
+    has no values to read: planned as no padding, as the plan feeds unpadded rows."""
+    if attention_mask is None:
+        return None
+    full = attention_mask.full_tensor() if isinstance(attention_mask, DTensor) else attention_mask
+    full = full if keys is None else full[:, -keys:]
+    return None if full.is_meta or bool(full.all()) else full.to(torch.bool)
+
+
+def split_over_axis(settings, t) -> bool:
+    """Is `t` (b, heads, L, d) a DTensor split on its sequence dim over the axis?"""
+    return isinstance(t, DTensor) and t.dist_layout.tensor_map[2] == (settings.axis_index,)
+
+
+def whole_attention(settings, module, query, key, value, attention_mask, scaling, is_causal, sliding_window,
+                    softcap):
+    """Attention of a query whose sequence is not split over the axis (a decoding step of `generate`: one new
+    token over a cache that holds every key whole, the same on every rank) computed as one device does, on
+    each rank's heads, without communication. The keys are the cache's (the last ones where a sliding-window
+    layer keeps only those), so the queries are the last of them: causal and window masks by that position,
+    the padding mask's last columns for the keys."""
+    where = _where(module)
+    _refuse_softcap(softcap, where)
+    if isinstance(query, DTensor):
+        query, key, value = _common_layout(settings, query, key, value, where, split=False)
+    q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (query, key, value))
+    lq, lk = q.shape[2], k.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    vis = Visibility(bool(causal), sliding_window, _padding_keys(attention_mask, lk))
+    device = "cpu" if q.is_meta else q.device   # indices on the CPU for meta queries, as `ring` makes them
+    q_index, k_index = torch.arange(lk - lq, lk, device=device), torch.arange(lk, device=device)
+    mask = vis.mask(q_index, k_index, slice(None))
+    if mask is not None and bool(mask.all()):   # every key visible (one query, no padding): sdpa unmasked
+        vis = Visibility(False)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return _output(_local_attention(q, k, v, vis, q_index, k_index, scale), query, value), None
+
+
+def _common_layout(settings, query, key, value, where, split: bool = True):
+    """q, k, v in one layout: the sequence (dim 2) split over the axis (as q's is where not `split`), heads split
+    as q's are where the key/value heads divide (else whole), batch as it comes, head_dim whole, no pending
+    reduction."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, DTensor) or t.dist_layout.tensor_map[2] != (settings.axis_index,):
+        if split and not split_over_axis(settings, t):
             layout = t.dist_layout.alias_entries() if isinstance(t, DTensor) else "a plain tensor"
             raise ValueError(f"{where}: {name} must be split on its sequence dim (2) over {settings.axis!r}, "
                              f"got {layout}; call the model through context_parallel's pre-hook (whole inputs, "

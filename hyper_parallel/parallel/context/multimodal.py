@@ -69,7 +69,7 @@ def _split_inputs(settings: ContextSettings, module: nn.Module, args: tuple, kwa
     """Forward pre-hook of the language model (its inputs come from the base model, the same on every rank)."""
     kwargs = feed.named_inputs(module, args, kwargs)
     ref = kwargs.get("inputs_embeds") if kwargs.get("inputs_embeds") is not None else kwargs.get("input_ids")
-    if ref is None:
+    if ref is None or sequence.decoding(kwargs):  # a decoding step of generate runs whole, as on one device
         return (), kwargs
     batch, seq_len = ref.shape[:2]
     for name, value in kwargs.items():  # e.g. Gemma4's per_layer_inputs (batch, seq, layers, dim)
