@@ -185,8 +185,15 @@ def _view_writes():
             op(v, y)
             return t, v
         return fn
+    def two_rows(t, y):  # the first write-back writes x while b is held: b's copy is still x[3], so it writes too
+        t = t * 1.0
+        a, b = t[0], t[3]
+        a += y
+        b *= y
+        return t, torch.stack([a, b])
     row = lambda t: t[2]
     return [
+        ("a, b = x[0], x[3]; a += y; b *= y", two_rows),
         ("x[i] += y", on(row, lambda v, y: v.__iadd__(y))),
         ("x[-1].mul_(y)", on(lambda t: t[-1], lambda v, y: v.mul_(y))),
         ("x[1:3] -= y", on(lambda t: t[1:3], lambda v, y: v.__isub__(y))),

@@ -386,8 +386,9 @@ _WRITE_BACK_INDEX = {
 def _note_write_back(result, func, args) -> None:
     """`result` views a redistributed copy of `args[0]` (`x[0]` of a batch-split x gathers the rows first): if it
     is `args[0][index]` for a basic index, remember how to write it back, so that an in-place op on it
-    (`x[0] |= m`) reaches x as on one device. The record holds x's local and its version, so a write into the view
-    after x itself was written (the copy is then stale) is refused rather than overwriting x with old values."""
+    (`x[0] |= m`) reaches x as on one device. The record holds x's local and its version: once x has been written
+    since, the copy is compared with x[index] again (`_copy_is_current`), and a copy that no longer holds it (x was
+    written where the view lies) is refused rather than written back over that write."""
     to_index = _WRITE_BACK_INDEX.get(func)
     if to_index is None or len(args) < 2:
         return
@@ -422,15 +423,31 @@ def _refuse_lost_write(target, name="an in-place op"):
     record = getattr(target, "_write_back", None)
     if record is not None:
         base = record[0]
-        if base._local is record[2] and base._local._version == record[3]:
+        if (base._local is record[2] and base._local._version == record[3]) or _copy_is_current(target, record):
             return record
         raise RuntimeError(f"{name} writes into a view that an op took of a redistributed copy of a DTensor "
-                           f"({base._layout}), and that DTensor has been written since, so the copy is stale and "
-                           f"writing it back would undo that write. Take the view again after writing the original.")
+                           f"({base._layout}), and that DTensor has been written where the view lies since, so the "
+                           f"copy is stale and writing it back would undo that write. Take the view again after "
+                           f"writing the original.")
     raise RuntimeError(f"{name} writes into a view that an op took of a redistributed copy of a DTensor (or of "
                        f"another of its inputs), so the write would not reach the original tensor "
                        f"({target._layout}). Write into the original with index assignment (x[...] = v) or "
                        f"redistribute it first.")
+
+
+def _copy_is_current(target, record) -> bool:
+    """Does the copy `target` still hold `base[index]`, now that base has been written since it was taken? Written
+    elsewhere (`a, b = x[0], x[1]; a += 1; b += 1`: a's write-back is such a write) it does, and writing it back is
+    what one device does; written where it lies, the view on one device would show that write and the copy does
+    not. Compared on full values (gathered, so every rank decides alike); only reached once base was written."""
+    base, index = record[0], record[1]
+    with torch.no_grad():
+        now = _dispatch(Tensor.__getitem__, (base, index), _NO_KWARGS)
+        if type(now) is not DTensor or now._shape != target._shape or now.dtype != target.dtype:
+            return False
+        full = [redistribute_local(t._local, t._layout, replicate_layout(t._layout.mesh, t.ndim), t._shape)
+                for t in (now, target)]
+    return torch.equal(full[0], full[1])
 
 
 def _write_through(func, args, kwargs, record):
