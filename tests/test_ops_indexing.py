@@ -172,3 +172,119 @@ def test_indexing_layouts(dist2, dist4):
     for pool in (dist2, dist4):
         assert all(pool.run(_loud)), "setitem through a tensor index and an int on a split dim must fail loudly"
         assert all(pool.run(_embedding_split))
+
+
+def _view_writes():
+    """In-place ops on a view `v` of x (`v = x[...]`, `x.select`, `x.narrow`), applied to a non-leaf copy of x; each
+    returns (x, v) so both are compared. With x split on dim 0 a view selecting along it is taken of a gathered copy,
+    which the write must reach x through."""
+    def on(view, op):
+        def fn(t, y):
+            t = t * 1.0
+            v = view(t)
+            op(v, y)
+            return t, v
+        return fn
+    def two_rows(t, y):  # the first write-back writes x while b is held: b's copy is still x[3], so it writes too
+        t = t * 1.0
+        a, b = t[0], t[3]
+        a += y
+        b *= y
+        return t, torch.stack([a, b])
+    row = lambda t: t[2]
+    return [
+        ("a, b = x[0], x[3]; a += y; b *= y", two_rows),
+        ("x[i] += y", on(row, lambda v, y: v.__iadd__(y))),
+        ("x[-1].mul_(y)", on(lambda t: t[-1], lambda v, y: v.mul_(y))),
+        ("x[1:3] -= y", on(lambda t: t[1:3], lambda v, y: v.__isub__(y))),
+        ("x[::2, 1:] *= 2", on(lambda t: t[::2, 1:], lambda v, y: v.__imul__(2.0))),
+        ("x[None, 3, ..., 1:]", on(lambda t: t[None, 3, ..., 1:], lambda v, y: v.add_(y[1:]))),
+        ("select(0, 1).addcmul_", on(lambda t: t.select(0, 1), lambda v, y: v.addcmul_(y, y))),
+        ("select(-2, 0).add_", on(lambda t: t.select(-2, 0), lambda v, y: v.add_(y))),
+        ("narrow(0, 1, 2).div_", on(lambda t: t.narrow(0, 1, 2), lambda v, y: v.div_(y.abs() + 1))),
+        ("x[i] twice, then v[j] = y", on(row, lambda v, y: (v.add_(y), v.mul_(y), v.__setitem__(1, y[0])))),
+        ("x[i].fill_", on(row, lambda v, y: v.fill_(0.25))),
+    ]
+
+
+def _view_writes_through(rank, world):
+    """Each case against plain torch on the same values, x split on dim 0 or 1 or replicated: both x and the view,
+    their values and the gradients of x and y."""
+    mesh = hp.Layout((world,), ("dp",))
+    g = torch.Generator().manual_seed(7)
+    x0, y0 = torch.randn(5, 3, generator=g), torch.randn(3, generator=g)
+    failures = []
+    for name, fn in _view_writes():
+        rx, ry = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+        ref = fn(rx, ry)
+        (ref[0] * ref[0]).sum().backward()
+        for lay in [mesh("dp", "None"), mesh("None", "dp"), mesh("None", "None")]:
+            dx = hp.distribute_tensor(x0.clone(), lay, src_data_rank=None).requires_grad_()
+            dy = hp.distribute_tensor(y0.clone(), mesh("None"), src_data_rank=None).requires_grad_()
+            try:
+                out = fn(dx, dy)
+                (out[0] * out[0]).sum().backward()
+                same = all(torch.allclose(o.full_tensor(), r, atol=1e-6) for o, r in zip(out, ref)) and \
+                    all((d.grad is None) == (r.grad is None) and (r.grad is None or torch.allclose(
+                        d.grad.full_tensor(), r.grad, atol=1e-5)) for d, r in ((dx, rx), (dy, ry)))
+                if not same:
+                    failures.append(f"{name} {lay}: differs")
+            except Exception as e:  # noqa: BLE001 - reported per case
+                failures.append(f"{name} {lay}: {type(e).__name__}: {e}")
+        with torch.no_grad():  # no grad: the replicated fast path (the C twin where built) runs the op
+            ref = fn(x0.clone(), y0)
+            dx = hp.distribute_tensor(x0.clone(), mesh("dp", "None"), src_data_rank=None)
+            out = fn(dx, hp.distribute_tensor(y0, mesh("None"), src_data_rank=None))
+            if not all(torch.allclose(o.full_tensor(), r, atol=1e-6) for o, r in zip(out, ref)):
+                failures.append(f"{name} no grad: differs")
+    # the line in SmolVLM / ModernVBERT: an in-place `|=` into one row of a batch-split mask
+    m0 = torch.tensor([False, False, True, False, False])
+    for m_ in (m0, torch.zeros(5, dtype=torch.bool)):
+        ref = m_.clone()
+        ref[0] |= ~torch.any(ref)
+        m = hp.distribute_tensor(m_.clone(), mesh("dp"), src_data_rank=None)
+        m[0] |= ~torch.any(m)
+        if not torch.equal(m.full_tensor(), ref):
+            failures.append(f"mask[0] |= ~any(mask) from {m_.tolist()}: {m.full_tensor().tolist()}")
+    return failures
+
+
+def _view_writes_loud(rank, world):
+    """What cannot be written back raises, alike on every rank, rather than writing into a copy: a view of such a
+    view (which has no note of its own), and a view whose original was written after the view was taken."""
+    mesh = hp.Layout((world,), ("dp",))
+    msgs = []
+    for make, write in [(lambda x: x[0][1:], lambda w: w.add_(1)),
+                        (lambda x: x[0].view(3), lambda w: w.__iadd__(1)),
+                        (lambda x: x[1], lambda w: w.mul_(2))]:
+        x = hp.distribute_tensor(torch.ones(4, 3), mesh("dp", "None"), src_data_rank=None)
+        w = make(x)
+        if len(msgs) == 2:
+            x.add_(1)  # the original written after its view was taken: the view's copy is stale
+        try:
+            write(w)
+            msgs.append(None)
+        except RuntimeError as e:
+            msgs.append("redistributed copy" in str(e) and ("stale" in str(e)) == (len(msgs) == 2))
+    return msgs
+
+
+def _zip_rows_index(rank, world):
+    """`rows, cols = zip(*ind)` (UDOP) iterates a DTensor into 0-d DTensors; indexing with those tuples writes and
+    reads as torch does with the same values."""
+    mesh = hp.Layout((world,), ("dp",))
+    ind = torch.tensor([[0, 1], [1, 3], [3, 0], [2, 2]])
+    ref = torch.ones(4, 5, dtype=torch.bool)
+    rows, cols = zip(*ind)
+    ref[rows, cols] = False
+    p = hp.distribute_tensor(torch.ones(4, 5, dtype=torch.bool), mesh("dp", "None"), src_data_rank=None)
+    rows, cols = zip(*hp.distribute_tensor(ind, mesh("dp", "None"), src_data_rank=None))
+    p[rows, cols] = False
+    return torch.equal(p.full_tensor(), ref) and torch.equal(p[rows, cols].full_tensor(), ref[rows, cols])
+
+
+def test_inplace_ops_on_views_of_split_tensors(dist2):
+    failures = dist2.run(_view_writes_through)
+    assert not failures[0] and not failures[1], "\n".join(failures[0] + failures[1])
+    assert dist2.run(_view_writes_loud) == [[True, True, True]] * 2
+    assert all(dist2.run(_zip_rows_index))

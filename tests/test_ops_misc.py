@@ -74,6 +74,19 @@ def _random_and_foreach(rank, world):
         y.uniform_()
         if not torch.equal(y.full_tensor(), ref):
             failures.append(f"uniform_ {entries}")
+    # a transposed x (VITS's `randn_like(prior_means)` after `.transpose(1, 2)`): torch fills memory in order, so
+    # its values are arranged unlike a contiguous x's, and the split draws must be arranged alike
+    xt = torch.randn(4, 6)
+    for entries in (("tp", "None"), ("None", "tp")):
+        dxt = hp.distribute_tensor(xt, mesh(*entries)).t()
+        for name, draw in (("randn_like", torch.randn_like), ("dropout", lambda t: F.dropout(t, 0.3, training=True)),
+                           ("normal_", lambda t: (t * 1).normal_())):
+            torch.manual_seed(8)
+            ref = draw(xt.t())
+            torch.manual_seed(8)
+            out = draw(dxt)
+            if not torch.equal(out.full_tensor(), ref):
+                failures.append(f"{name} of a transposed x {entries}")
     # the multi-tensor AdamW path on parameters split over tp: states keep the parameters' layouts
     torch.manual_seed(0)
     ref = torch.nn.Linear(4, 6)

@@ -1,6 +1,7 @@
 """Property tests for what a batch split (the census's `--dp 2`) meets: writes through mixed indices into a
-tensor split on any dim, and pointwise dunders whose first operand is the smaller of a broadcast, against
-plain torch on the same full tensors. Cases are drawn here and run in one batch per example on 2 ranks."""
+tensor split on any dim (by index assignment, and by in-place ops on the indexed view), and pointwise dunders
+whose first operand is the smaller of a broadcast, against plain torch on the same full tensors. Cases are drawn
+here and run in one batch per example on 2 ranks."""
 import pytest
 import torch
 
@@ -54,6 +55,40 @@ def _setitem_cases(rank, world, cases):
             results.append("loud" if "laid out" in str(e) else f"error: {e}")
             continue
         results.append("ok" if torch.equal(d.full_tensor(), ref) else f"differs: {index}")
+    return results
+
+
+def _view_write_cases(rank, world, cases):
+    """Per case: an in-place op on `v = x[index]` (a view for ints and slices, taken of a gathered copy where it
+    selects along the split dim; a copy for tensor indices, as in torch) then x and v compared with plain torch:
+    "ok", "plain" (torch itself refuses), or why not."""
+    mesh = hp.Layout((world,), ("dp",))
+    ops = [lambda v, y: v.add_(y), lambda v, y: v.mul_(y), lambda v, y: v.copy_(y)]
+    results = []
+    for shape, split, entries, scalar, seed in cases:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(shape, generator=g)
+        index = _index(entries, shape, g)
+        try:
+            v = x[index]
+        except IndexError:
+            results.append("plain")
+            continue
+        y = torch.randn(v.shape, generator=g)
+        y = y if not scalar or seed % 3 == 2 else 0.5  # copy_ takes a tensor
+        op = ops[seed % 3]
+        op(v, y)
+        d = hp.distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(seed)),
+                                 mesh(*("dp" if k == split else "None" for k in range(len(shape)))),
+                                 src_data_rank=None)
+        try:
+            dv = d[index]
+            op(dv, y)
+        except RuntimeError as e:
+            results.append(f"error: {e}")
+            continue
+        same = torch.equal(d.full_tensor(), x) and torch.equal(dv.full_tensor(), v)
+        results.append("ok" if same else f"differs: {index} op {seed % 3}")
     return results
 
 
@@ -204,6 +239,14 @@ if given is not None:
         assert per_rank[0] == per_rank[1], "ranks disagree (an error on one rank only hangs the other)"
         bad = [(c, r) for c, r in zip(cases, per_rank[0]) if r not in ("ok", "plain") and
                not (r == "loud" and _may_refuse(c))]
+        assert not bad, bad[:5]
+
+    @settings(**_SETTINGS)
+    @given(st.lists(_setitem_case(), min_size=BATCH, max_size=BATCH))
+    def test_inplace_ops_on_views_of_split_dims(dist2, cases):
+        per_rank = dist2.run(_view_write_cases, cases)
+        assert per_rank[0] == per_rank[1], "ranks disagree (an error on one rank only hangs the other)"
+        bad = [(c, r) for c, r in zip(cases, per_rank[0]) if r not in ("ok", "plain")]
         assert not bad, bad[:5]
 
     @settings(**_SETTINGS)

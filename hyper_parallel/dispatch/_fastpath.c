@@ -33,7 +33,7 @@ static PyObject *grad_declined;       /* dispatcher.torch_function_after_c_grad:
 static PyObject *grad_entry;          /* this module's _under_disabled_torch_function, run inside disabled_impl */
 static PyObject *not_handled_obj;     /* dispatcher._NOT_HANDLED, what _replicated_local_grad returns to decline */
 static PyObject *empty_dict;          /* dispatcher._NO_KWARGS */
-static PyObject *s_requires_grad, *s_base;
+static PyObject *s_requires_grad, *s_base, *s_hp_copy;
 /* The decision path's cache hit (configure_decision): */
 static PyObject *rule_of;             /* dispatcher._RULE_OF: func -> (name, rule, inplace) */
 static PyObject *decisions;           /* dispatcher._CACHE: call key -> Decision */
@@ -246,18 +246,35 @@ static PyObject *wrap_seq(PyObject *out, PyObject *mesh) {
     return res;
 }
 
-/* An in-place write into a view that was taken of a redistributed copy must raise: the Python path does.
-   -1 on error. */
+static int lookup_attr(PyObject *obj, PyObject *name, PyObject **value) {  /* *value NULL when absent */
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, value);
+#else
+    return _PyObject_LookupAttr(obj, name, value);
+#endif
+}
+
+/* An in-place write into a view that was taken of a redistributed copy (`_view_of` False), or into a view of such
+   a view (dispatcher._views_a_copy: its local's root is marked `_hp_copy`), takes the Python path, which writes it
+   back or raises. -1 on error. */
 static int write_is_lost(PyObject *target) {
     if (Py_TYPE(target) != dtensor_type) return 0;
     PyObject *view;
-#if PY_VERSION_HEX >= 0x030D0000
-    if (PyObject_GetOptionalAttr(target, s_view_of, &view) < 0) return -1;
-#else
-    if (_PyObject_LookupAttr(target, s_view_of, &view) < 0) return -1;
-#endif
+    if (lookup_attr(target, s_view_of, &view) < 0) return -1;
     int lost = (view == Py_False);
     Py_XDECREF(view);
+    if (lost) return 1;
+    PyObject *loc = get_slot(target, &dt_local);
+    if (loc == NULL) return -1;
+    PyObject *base = PyObject_GetAttr(loc, s_base);
+    Py_DECREF(loc);
+    if (base == NULL) return -1;
+    PyObject *mark = NULL;
+    int r = base == Py_None ? 0 : lookup_attr(base, s_hp_copy, &mark);
+    Py_DECREF(base);
+    if (r < 0) return -1;
+    lost = (mark == Py_True);
+    Py_XDECREF(mark);
     return lost;
 }
 
@@ -1137,12 +1154,13 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
                           &layout_mesh.name, &s_replicated_layouts, &s_dtype, &s_device, &s_view_of,
                           &s_requires_grad, &s_base, &s_float_args_matter, &s_in_layouts, &s_grad_layouts,
                           &s_out_layouts, &s_out_shapes, &s_local_fn, &s_layout, &s_src, &s_grad_layout, &s_is_leaf,
-                          &s_has_partial, &s_detach, &s_grad_fn, &reshape_shape.name};
+                          &s_has_partial, &s_detach, &s_grad_fn, &reshape_shape.name, &s_hp_copy};
     const char *texts[] = {"_local", "_layout", "shape", "_shape", "is_replicate", "mesh", "replicated_layouts",
                            "dtype", "device", "_view_of", "requires_grad", "_base",
                            "float_args_matter", "in_layouts", "grad_layouts", "out_layouts", "out_shapes", "local_fn",
-                           "layout", "src", "grad_layout", "is_leaf", "has_partial", "detach", "grad_fn", "shape"};
-    for (int i = 0; i < 26; i++) {
+                           "layout", "src", "grad_layout", "is_leaf", "has_partial", "detach", "grad_fn", "shape",
+                           "_hp_copy"};
+    for (int i = 0; i < 27; i++) {
         *names[i] = PyUnicode_InternFromString(texts[i]);
         if (*names[i] == NULL) return NULL;
     }

@@ -338,7 +338,14 @@ def _note_view(result, args, loc0, out, func, largs, lkwargs, copied: bool = Fal
     if base is not None and type(args[0]) is DTensor and type(result) is DTensor and result is not args[0]:
         ran_on = largs[0] if loc0 is None else loc0
         if base is ran_on or (ran_on._base is not None and base is ran_on._base):  # inline: grad-mode views
-            result._view_of = False if loc0 is None else (args[0], func, largs[1:], lkwargs)
+            if loc0 is None:
+                result._view_of = False
+                own = args[0]._local
+                if ran_on is not own and base is not own and base is not own._base:  # a redistributed copy
+                    base._hp_copy = True  # views of this view are refused too (`_views_a_copy`)
+                    _note_write_back(result, func, args)
+            else:
+                result._view_of = (args[0], func, largs[1:], lkwargs)
         elif copied or any(_is_view_of(base, t) for t in list(largs[1:]) + list(lkwargs.values())):
             result._view_of = False
     return result
@@ -349,15 +356,115 @@ def _is_view_of(base, t) -> bool:
     return isinstance(t, Tensor) and (base is t or (t._base is not None and base is t._base))
 
 
-def _refuse_lost_write(target, name="an in-place op") -> None:
+def _basic_index(index) -> bool:
+    """Is `index` made of ints, slices, None and Ellipsis only (what `__setitem__` can write back exactly)?"""
+    for e in (index if type(index) is tuple else (index,)):
+        if not (e is None or e is Ellipsis or type(e) is slice or type(e) is int):
+            return False
+    return True
+
+
+def _select_index(dim, i):
+    return (slice(None),) * dim + (i,) if dim >= 0 else (Ellipsis, i) + (slice(None),) * (-dim - 1)
+
+
+def _narrow_index(dim, start, length):
+    if type(start) is not int or type(length) is not int or start < 0:
+        return None  # a tensor start, or a negative one (torch wraps it by the size, a slice would not)
+    return _select_index(dim, slice(start, start + length))
+
+
+# View ops whose result, taken of a redistributed copy, is `base[index]` for a basic index: the op's arguments
+# after the tensor -> that index, or None where it is not basic (those writes stay refused).
+_WRITE_BACK_INDEX = {
+    Tensor.__getitem__: lambda index: index if _basic_index(index) else None,
+    Tensor.select: _select_index, torch.select: _select_index,
+    Tensor.narrow: _narrow_index, torch.narrow: _narrow_index,
+}
+
+
+def _note_write_back(result, func, args) -> None:
+    """`result` views a redistributed copy of `args[0]` (`x[0]` of a batch-split x gathers the rows first): if it
+    is `args[0][index]` for a basic index, remember how to write it back, so that an in-place op on it
+    (`x[0] |= m`) reaches x as on one device. The record holds x's local and its version: once x has been written
+    since, the copy is compared with x[index] again (`_copy_is_current`), and a copy that no longer holds it (x was
+    written where the view lies) is refused rather than written back over that write."""
+    to_index = _WRITE_BACK_INDEX.get(func)
+    if to_index is None or len(args) < 2:
+        return
+    try:
+        index = to_index(*args[1:])
+    except TypeError:  # keyword or unusual arguments: no write-back, the write stays refused
+        return
+    if index is not None:
+        base = args[0]
+        result._write_back = (base, index, base._local, base._local._version)
+
+
+def _views_a_copy(local) -> bool:
+    """Is `local` a torch view of a redistributed copy that `_note_view` marked? A DTensor view of a view of a
+    copy (`v = x[0]; v[1:]`, `v.view(...)`) has no note of its own when made without grad, so an in-place write
+    into it is caught here, by its local's root, rather than lost."""
+    base = local._base
+    return base is not None and getattr(base, "_hp_copy", False)
+
+
+def _refuse_lost_write(target, name="an in-place op"):
     """Raise, before anything runs (the local shard may be a real view of the original's), when `target` is a view
-    that was taken of a redistributed copy (or of another input, or through a local reshape): the write would not
-    reach the original."""
-    if getattr(target, "_view_of", None) is False:
-        raise RuntimeError(f"{name} writes into a view that an op took of a redistributed copy of a DTensor (or of "
-                           f"another of its inputs), so the write would not reach the original tensor "
-                           f"({target._layout}). Write into the original with index assignment (x[...] = v) or "
-                           f"redistribute it first.")
+    that was taken of a redistributed copy (or of another input, or through a local reshape), or a view of such a
+    view: the write would not reach the original. Unless it can be written back (`_note_write_back`): then its
+    record (base, index, ...)."""
+    if getattr(target, "_view_of", None) is not False:
+        if _views_a_copy(target._local) and getattr(target, "_write_back", None) is None:
+            raise RuntimeError(f"{name} writes into a view of a view that an op took of a redistributed copy of a "
+                               f"DTensor, so the write would not reach the original tensor ({target._layout}). "
+                               f"Write into the original with one index (x[i, j] op= v) or redistribute it first.")
+        return None
+    record = getattr(target, "_write_back", None)
+    if record is not None:
+        base = record[0]
+        if (base._local is record[2] and base._local._version == record[3]) or _copy_is_current(target, record):
+            return record
+        raise RuntimeError(f"{name} writes into a view that an op took of a redistributed copy of a DTensor "
+                           f"({base._layout}), and that DTensor has been written where the view lies since, so the "
+                           f"copy is stale and writing it back would undo that write. Take the view again after "
+                           f"writing the original.")
+    raise RuntimeError(f"{name} writes into a view that an op took of a redistributed copy of a DTensor (or of "
+                       f"another of its inputs), so the write would not reach the original tensor "
+                       f"({target._layout}). Write into the original with index assignment (x[...] = v) or "
+                       f"redistribute it first.")
+
+
+def _copy_is_current(target, record) -> bool:
+    """Does the copy `target` still hold `base[index]`, now that base has been written since it was taken? Written
+    elsewhere (`a, b = x[0], x[1]; a += 1; b += 1`: a's write-back is such a write) it does, and writing it back is
+    what one device does; written where it lies, the view on one device would show that write and the copy does
+    not. Compared on full values (gathered, so every rank decides alike); only reached once base was written."""
+    base, index = record[0], record[1]
+    with torch.no_grad():
+        now = _dispatch(Tensor.__getitem__, (base, index), _NO_KWARGS)
+        if type(now) is not DTensor or now._shape != target._shape or now.dtype != target.dtype:
+            return False
+        full = [redistribute_local(t._local, t._layout, replicate_layout(t._layout.mesh, t.ndim), t._shape)
+                for t in (now, target)]
+    return torch.equal(full[0], full[1])
+
+
+def _write_through(func, args, kwargs, record):
+    """An in-place op on a view of a redistributed copy, `v = x[index]` (the copy every rank holds): run it on the
+    copy, then write the copy back with `x[index] = v`, which lands each position in the shard that owns it (and,
+    if x is itself such a view, writes x back in turn). Values and gradients are then those of one device, where
+    the op writes through the view into x."""
+    target = args[0]
+    target._view_of = None  # the op itself runs on the copy as on any replicated tensor
+    try:
+        out = _dispatch(func, args, kwargs)
+    finally:
+        target._view_of = False
+    base, index = record[0], record[1]
+    _dispatch(Tensor.__setitem__, (base, index, target), _NO_KWARGS)
+    target._write_back = (base, index, base._local, base._local._version)
+    return out
 
 
 def _finish_inplace(target, local_out, grad, name="an in-place op"):
@@ -483,8 +590,9 @@ def _replicated_local(func, args, kwargs, grad, inplace):
     if mesh is None or not args:  # no DTensor where we looked, or only in kwargs: the general path
         return _NOT_HANDLED
     a0 = args[0]
-    if inplace and (needs is not None or getattr(a0, "_view_of", None) is False):
-        return _NOT_HANDLED  # autograd must see the write, or it would not reach the original tensor
+    if inplace and (needs is not None or getattr(a0, "_view_of", None) is False or
+                    (type(a0) is DTensor and locs[0]._base is not None and _views_a_copy(locs[0]))):
+        return _NOT_HANDLED  # autograd must see the write, or it would not reach the original (_dispatch decides)
     if needs is not None:
         for i, j in needs:
             if type(i) is str:  # a keyword argument (kwargs is already this call's own copy)
@@ -527,7 +635,9 @@ def _dispatch(func, args, kwargs, try_replicated=True):
         entry = _resolve(func)
     name, rule, inplace = entry
     if inplace and args and type(args[0]) is DTensor:
-        _refuse_lost_write(args[0], name)
+        record = _refuse_lost_write(args[0], name)
+        if record is not None:
+            return _write_through(func, args, kwargs, record)
     leaves = []
     flat = True  # tensors only directly among positional args: the hot path can skip rebuilding structure
     for a in args:

@@ -30,7 +30,7 @@ class IndexPlan:
     def __init__(self, index, shape: tuple):
         raw = index if type(index) is tuple else (index,)
         # tensors in the index are op inputs (numbered after x); lists become constant tensors
-        entries = [torch.as_tensor(e) if isinstance(e, (list, tuple)) else e for e in raw]
+        entries = [_sequence_entry(e) if isinstance(e, (list, tuple)) else e for e in raw]
         is_input = [isinstance(e, torch.Tensor) for e in raw]
         ndim = len(shape)
 
@@ -54,6 +54,8 @@ class IndexPlan:
                 if is_input[k]:
                     n_inputs += 1
                     number = n_inputs
+                else:  # a list's own tensors are inputs too (the dispatcher collects them): count them
+                    n_inputs += sum(isinstance(b, torch.Tensor) for b in raw[k])
                 if e.dtype in _MASKS:
                     items.append(("adv", tuple(range(pos, pos + e.ndim)), 1, None))  # data-dependent length
                     pos += e.ndim
@@ -96,6 +98,24 @@ class IndexPlan:
         self.items = items
         self.out_ndim = out
         self.has_adv = bool(advs)
+
+
+def _sequence_entry(e):
+    """A list or tuple in an index, as the tensor torch makes of it, for the plan's dtype and rank. Its elements may
+    be 0-d tensors (`rows, cols = zip(*ind)` iterates a DTensor into 0-d DTensors): here, under the dispatcher, those
+    are wrappers without data, so it is a meta tensor of the shape and dtype torch.as_tensor gives; the local op
+    converts the elements' own (replicated) values."""
+    tensors = [b for b in e if isinstance(b, torch.Tensor)]
+    if tensors and len(tensors) == len(e) and not any(b.ndim for b in tensors):
+        dtype = tensors[0].dtype
+        for b in tensors[1:]:
+            dtype = torch.promote_types(dtype, b.dtype)
+        return torch.empty(len(e), dtype=dtype, device="meta")
+    try:
+        return torch.as_tensor(e)
+    except RuntimeError as err:  # DTensors mixed with numbers, or not 0-d, or nested: decided from shapes alone
+        raise TypeError("an index list holding DTensors that are not all 0-d (or mixed with numbers, or nested) "
+                        "is not supported; make it one tensor (torch.stack) first") from err
 
 
 def _plan(call: OpCall) -> IndexPlan:

@@ -42,6 +42,17 @@ def _local_piece(full: Tensor, layout: Layout) -> Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
 
 
+def _full_like(local: Tensor, shape: tuple) -> Tensor:
+    """An uninitialised tensor of the global `shape` laid out in memory in the order of `local`'s strides, the
+    stand-in for x that a random op on a split x draws in full. Random `*_like` ops, in-place fills and dropout's
+    mask (`empty_like(x).bernoulli_`) fill memory in order, so on one device a transposed x (VITS's
+    `randn_like(prior_means)` after `.transpose(1, 2)`) gets its values in another arrangement than a contiguous
+    one: the stand-in must be ordered as the single-device x is (its shard's order is the global one's)."""
+    order = sorted(range(local.ndim), key=lambda d: -local.stride(d))  # outermost first; ties keep dim order
+    full = torch.empty([shape[d] for d in order], dtype=local.dtype, device=local.device)
+    return full.permute([order.index(d) for d in range(local.ndim)])
+
+
 class Replicated(Rule):
     """Gather every input (resolving pending sums), run the op on full values, replicate the outputs.
 
@@ -136,8 +147,8 @@ class Like(Rule):
             func, shape = call.func, call.inputs[0].shape
 
             def local_fn(x, *args, **kwargs):
-                full = func(torch.empty(shape, dtype=x.dtype, device=x.device), *args, **kwargs)
-                return _local_piece(full, out).contiguous()
+                full = func(_full_like(x, shape), *args, **kwargs)
+                return _local_piece(full, out).clone(memory_format=torch.preserve_format)
         return Strategy(ins, [out], local_fn)
 
 
@@ -158,7 +169,7 @@ class RandomFill(Rule):
             func, shape, layout = call.func, target.shape, target.layout
 
             def local_fn(x, *args, **kwargs):
-                full = torch.empty(shape, dtype=x.dtype, device=x.device)
+                full = _full_like(x, shape)
                 func(full, *args, **kwargs)
                 return x.copy_(_local_piece(full, layout))
         return Strategy(ins, [target.layout], local_fn)
@@ -192,7 +203,7 @@ class Dropout(Rule):
         def local_fn(inp, *args, **kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
             args = args[:2] if len(args) > 2 else args
-            mask = func(torch.ones(shape, dtype=inp.dtype, device=inp.device), *args, **kwargs)
+            mask = func(_full_like(inp, shape).fill_(1), *args, **kwargs)
             return inp * _local_piece(mask, layout)
         return Strategy([layout], [layout], local_fn)
 
