@@ -415,3 +415,17 @@ def test_output_comparison_matches_the_same_infinities_and_catches_a_lone_one():
         assert census._output_diff(ref, {"logits_a": torch.tensor([bad])})[0] == float("inf"), bad
     z = torch.tensor([1 + 2j, 3 - 1j])
     assert census._output_diff({"z": z}, {"z": z + 1e-3j})[0] == pytest.approx(1e-3 / 3.1623, rel=1e-3)
+
+
+def test_model_type_inputs_a_forward_requires():
+    """Inputs a forward requires beyond the modalities, derived from the config: a sub-model's vector sequence
+    (a Q-Former's queries), patches with their grid positions (Gemma 4's vision tower), one token type per
+    kind (TAPAS); and a default config built from an override's `base` where the type's own fails its checks."""
+    from hyper_parallel.tools.auto_models import build_model_type, tiny_config
+    for model_type, shapes in (("blip_2_qformer", {"query_embeds": 3}), ("gemma4_vision", {"pixel_position_ids": 3}),
+                               ("tapas", {"token_type_ids": 3})):
+        case = build_model_type(model_type)
+        assert {k: case.inputs[k].ndim for k in shapes} == shapes, case.inputs.keys()
+        with torch.no_grad():
+            case.model(**case.inputs)
+    assert tiny_config("gemma4_assistant").text_config.hidden_size_per_layer_input == 0

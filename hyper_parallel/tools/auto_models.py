@@ -17,7 +17,7 @@ import torch
 from .heads import HEAD_BY_NAME, all_model_types, head_of, head_mappings
 from .model_inputs import TEXT_LOW, VOCAB, fed_modalities, fitting_inputs, make_inputs
 from .models import ModelCase, _finish
-from .tiny_overrides import apply_override
+from .tiny_overrides import apply_override, base_kwargs
 
 HIDDEN, HEADS_N, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
 LAYERS = 2
@@ -32,11 +32,11 @@ _HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_em
                 "projection_size", "attention_hidden_size", "embedding_dim", "reassemble_hidden_size",
                 "pooler_output_size", "codebook_dim", "emb_dim", "d_latents", "hidden_size_global",
                 "fpn_hidden_size", "vector_quantization_hidden_dimension", "audio_hidden_size", "condition_dim",
-                "mit_hidden_size"}
+                "mit_hidden_size", "cross_hidden_size"}  # (the width a decoder cross-attends: its encoder's)
 _FFN_KEYS = {"intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
              "ffn_hidden_size", "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
              "expert_intermediate_size", "dense_intermediate_size", "projector_intermediate_size",
-             "mit_intermediate_size"}
+             "mit_intermediate_size", "expert_ffn_hidden_size", "intermediate_size_mlp"}
 _HEAD_KEYS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
               "decoder_attention_heads", "attention_heads", "num_attention_heads_per_layer"}
 _KV_KEYS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
@@ -44,7 +44,8 @@ _KV_KEYS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_gr
 _HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_dim", "kv_channels", "qk_head_dim", "v_head_dim",
                   "head_size", "qk_rope_head_dim", "qk_nope_head_dim", "linear_key_head_dim",
                   "linear_value_head_dim", "mamba_head_dim", "d_head", "rotary_dim", "mamba_headdim"}
-_EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total"}
+_EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total",
+                "zero_expert_num"}  # (LongCat-Flash's identity experts, routed beside the others: 256 by default)
 _TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts", "moe_k", "router_topk"}
 _VOCAB_KEYS = {"vocab_size", "text_vocab_size"}
 # a detector's object queries (and denoising queries): no more than the anchors a tiny image gives
@@ -84,7 +85,9 @@ def _shrink_rope(rope: dict, head_dim_old: int | None, head_dim_new: int) -> dic
     if isinstance(sec, list) and sec and all(isinstance(s, int) for s in sec):
         half = head_dim_new // 2
         scaled = [max(1, s * half // max(sum(sec), 1)) for s in sec]
-        scaled[0] += half - sum(scaled)
+        # the rest to the section no other equals (ERNIE-VL's [22, 22, 20] pairs its height and width sections)
+        unique = [i for i, s in enumerate(sec) if sec.count(s) == 1]
+        scaled[unique[0] if len(unique) == 1 else 0] += half - sum(scaled)
         rope["mrope_section"] = scaled
     for key in ("original_max_position_embeddings",):
         if isinstance(rope.get(key), int):
@@ -102,6 +105,7 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
                        if isinstance(d.get(k), int)), None)
     heads_old = next((d[k] for k in _HEAD_KEYS if isinstance(d.get(k), int)), None)
     head_dim_old = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
+    mla_old = sum(d[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim") if isinstance(d.get(k), int))
     hidden_old = {k: d[k] for k in _HIDDEN_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
     images_old = {k: v.get("image_size") for k, v in d.items() if isinstance(v, dict)}
     for key, value in list(d.items()):
@@ -116,6 +120,8 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
             d[key] = _small(value, LAYERS)
         elif key in _HIDDEN_KEYS and not (key == "hidden_dim" and isinstance(d.get("out_channels"), list)):
             d[key] = _small(value, HIDDEN)  # (an EfficientNet's hidden_dim follows its channel lists)
+        elif key in _FFN_KEYS and isinstance(value, list):  # one per layer (Gemma 3n)
+            d[key] = [_small(v, INTERMEDIATE) for v in value]
         elif key in _FFN_KEYS:
             d[key] = _small(value, INTERMEDIATE)
         elif key in _HEAD_KEYS and isinstance(value, list):  # one per stage (Swin): powers of two divide widths
@@ -242,6 +248,24 @@ def shrink_config_dict(d: dict, depth: int = 0) -> dict:
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(d.get(key), dict):
             d[key] = _shrink_rope(d[key], head_dim_old, _rotary_dim(d, d[key], head_dim_new))
+    # image tokens pooled from the vision tower's patch grid (Gemma 3): a square that divides the tiny grid's side
+    vision = d.get("vision_config")
+    if isinstance(d.get("mm_tokens_per_image"), int) and isinstance(vision, dict) and \
+            isinstance(vision.get("image_size"), int) and isinstance(vision.get("patch_size"), int):
+        side = vision["image_size"] // vision["patch_size"]
+        per_side = int(d["mm_tokens_per_image"] ** 0.5)
+        if side and (per_side > side or side % max(per_side, 1)):
+            d["mm_tokens_per_image"] = (side // 2) ** 2 if side >= 2 else 1
+    # a query head of a no-rope and a rope part (DeepSeek's MLA): its width is their sum
+    if all(isinstance(d.get(k), int) for k in ("qk_nope_head_dim", "qk_rope_head_dim")):
+        mla = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+        if isinstance(d.get("qk_head_dim"), int):
+            d["qk_head_dim"] = mla
+        if head_dim_old and head_dim_old == mla_old:  # (a head_dim stated as that sum: Mistral 4's)
+            d["head_dim"] = mla
+    # layers sharing the key-value cache of earlier ones (Gemma 3n, a Gemma 4 assistant): all of them stay all
+    if old_layers and d.get("num_kv_shared_layers") == old_layers:
+        d["num_kv_shared_layers"] = next((d[k] for k in _LAYER_KEYS if isinstance(d.get(k), int)), LAYERS)
     if "sliding_window" in d and isinstance(d["sliding_window"], int):
         d["sliding_window"] = min(d["sliding_window"], 4)
     if "tie_word_embeddings" in d and depth == 0:
@@ -383,6 +407,10 @@ def _remap_special_ids(d: dict, vocab: int, taken: dict) -> dict:
                 isinstance(value, int) and not isinstance(value, bool) and "layer" not in key:
             if value < TEXT_LOW:   # 0, 1, 2 stay: the random text ids start above them
                 continue
+            own = d.get("vocab_size")
+            if isinstance(own, int) and value < own < 16:  # inside a few-token vocabulary of its own (a reading-
+                continue  # order model's start / pad / end / pred), fed no random text
+
             if value not in taken:
                 taken[value] = vocab - 1 - len(taken)
             d[key] = taken[value]
@@ -440,7 +468,7 @@ def tiny_config(model_type: str):
     """The type's default config, shrunk (see `shrink_config_dict`), with the type's entry of
     `tiny_overrides.OVERRIDES` applied and special ids inside the vocabulary."""
     from transformers import AutoConfig
-    base = AutoConfig.for_model(model_type)
+    base = AutoConfig.for_model(model_type, **base_kwargs(model_type))
     d = shrink_config_dict(base.to_dict())
     apply_override(model_type, d)
     d = _remap_special_ids(d, _text_vocab(d), {})
@@ -500,9 +528,13 @@ def _ready(model):
     model = _finish(model)
     gc = getattr(model, "generation_config", None)
     cfg = model.config
-    if gc is not None and getattr(cfg, "is_encoder_decoder", False) and gc.decoder_start_token_id is None:
+    # (MusicGen's decoder pads its codebooks' delay pattern with the start token)
+    starts = getattr(cfg, "is_encoder_decoder", False) or hasattr(model, "build_delay_pattern_mask")
+    if gc is not None and starts and gc.decoder_start_token_id is None:
         start = getattr(cfg, "decoder_start_token_id", None)
         gc.decoder_start_token_id = start if start is not None else (getattr(cfg, "pad_token_id", None) or 0)
+    if gc is not None and hasattr(model, "build_delay_pattern_mask") and gc.num_return_sequences is None:
+        gc.num_return_sequences = 1  # (its own generate reads the count as it is, unset meaning one)
     return model
 
 

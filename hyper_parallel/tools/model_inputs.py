@@ -40,6 +40,12 @@ def _sub(cfg, *names):
     return None
 
 
+def _sub_configs(cfg) -> list:
+    """The config's sub-configs (text, vision, decoder...), in their declared order."""
+    return [getattr(cfg, n) for n in (getattr(cfg, "sub_configs", None) or {})
+            if getattr(cfg, n, None) is not None and not isinstance(getattr(cfg, n), (int, float, str, bool, list, dict))]
+
+
 def _first(cfg, names, default=None):
     for n in names:
         v = getattr(cfg, n, None) if cfg is not None else None
@@ -114,10 +120,31 @@ def _image_inputs(model, cfg, params: set, gen, batch: int) -> dict:
     else:
         h = w = int(size)
     chans = int(_first(vcfg, ("num_channels", "in_channels", "in_chans"), 3))
+    position_key = next((k for k in ("pixel_position_ids", "image_position_ids") if k in params), None)
+    if position_key is not None:  # patches with their (x, y) grid positions (Gemma 4's vision tower)
+        return _positioned_patches(vcfg, gen, batch, chans, h // int(_first(vcfg, ("patch_size",), 4)),
+                                   position_key)
+    if "target_sizes" in params:  # NaViT-packed patches (MiniCPM-V): every image's patches in one row of
+        patch = int(_first(vcfg, ("patch_size",), 4))  # patch-high pixels, with each image's grid in patches
+        grid = (h // patch, w // patch)
+        return {"pixel_values": torch.randn(1, chans, patch, batch * grid[0] * grid[1] * patch, generator=gen),
+                "target_sizes": torch.tensor([grid] * batch, dtype=torch.int32)}
     out["pixel_values"] = torch.randn(batch, chans, h, w, generator=gen)
     if "image_sizes" in params:
         out["image_sizes"] = torch.tensor([[h, w]] * batch)
     return out
+
+
+def _positioned_patches(vcfg, gen, batch: int, chans: int, side: int, position_key: str) -> dict:
+    """pixel_values as (batch, patches, patch * patch * channels) with `position_key` (batch, patches, 2), the
+    (x, y) of each patch in its grid: a side of whole pooling windows where the tower pools patches."""
+    patch = int(_first(vcfg, ("patch_size",), 4))
+    pool = int(_first(vcfg, ("pooling_kernel_size",), 1))
+    side = max(pool, side // pool * pool) if pool > 1 else max(side, 1)
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.stack([xs.flatten(), ys.flatten()], -1)
+    return {"pixel_values": torch.randn(batch, side * side, patch * patch * chans, generator=gen),
+            position_key: positions.unsqueeze(0).expand(batch, -1, -1).contiguous()}
 
 
 def _feature_count(model, kind: str, inputs: dict, batch: int) -> int | None:
@@ -155,10 +182,17 @@ def _audio_features(cfg, params: set, gen, batch: int, time_first: bool = False)
     if isinstance(_first(acfg, ("input_feat_per_channel",)), int):
         feats = int(acfg.input_feat_per_channel) * int(_first(acfg, ("input_channels",), 1))
         return {"input_features": torch.randn(batch, 32, feats, generator=gen)}
-    mels = int(_first(acfg, ("feature_projection_input_dim", "num_mel_bins", "n_mels", "feature_size",
-                             "input_feat_size", "num_mels"), 16))  # (Wav2Vec2-BERT stacks 2 frames of 80 bins)
+    mel_keys = ("feature_projection_input_dim", "num_mel_bins", "n_mels", "feature_size", "input_feat_size",
+                "num_mels")  # (Wav2Vec2-BERT stacks 2 frames of 80 bins)
+    mels = _first(acfg, mel_keys)
+    if mels is None and acfg is cfg:  # the bins stated by the sub-model that reads them (CLVP's decoder config)
+        mels = next((_first(sub, mel_keys) for sub in _sub_configs(cfg) if _first(sub, mel_keys)), None)
+    mels = int(mels or 16)
     frames = min(2 * int(_first(acfg, ("max_source_positions",), 32)), 64)
     shape = (batch, frames, mels) if time_first else (batch, mels, frames)
+    image = _first(acfg, ("patch_embed_input_channels",))
+    if isinstance(image, int):  # a spectrogram patchified as an image (CLAP's audio Swin): channels, frames, bins
+        shape = (batch, image, frames, mels)
     out = {"input_features": torch.randn(*shape, generator=gen)}
     for mask in ("feature_attention_mask", "input_features_mask", "audio_attention_mask"):
         if mask in params:
@@ -238,7 +272,9 @@ VARIANTS = (
 # the last: no mask over the audio (an encoder that hands its attention_mask to attention as it comes takes the
 # processor's 4-D float mask, which the census cannot guess; all-ones masks nothing anyway)
 LAYOUTS = ({}, {"audio_time_first": True}, {"wave_channels": 1}, {"images_per_sample": True},
-           {"no_audio_mask": True})
+           {"no_audio_mask": True}, {"audio_time_first": True, "wave_channels": 1},  # (a codec reading a mono
+           {"patch_images": True})  # waveform and its frames of features, NeuCodec; flattened patches as images
+# (channels, patch, patch) for a vision tower that convolves each (Kimi-K2.5's))
 
 
 def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
@@ -258,6 +294,19 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
     placeholders: list = []
     image_id, video_id, audio_id = _token_id(cfg, "image"), _token_id(cfg, "video"), _token_id(cfg, "audio")
     start, end = _token_id(cfg, "vision_start"), _token_id(cfg, "vision_end")
+    # a composite built without a tower (its sub-config unset: EmbeddingGemma 2 of text only) takes none of its inputs
+    if getattr(cfg, "vision_config", False) is None:
+        feed = feed - {"image", "video", "video_frames", "image_sizes"}
+    if getattr(cfg, "audio_config", False) is None:
+        feed = feed - {"audio"}
+    if "image" in feed and "flattened_patches" in params:  # Pix2Struct: patches with their row and column
+        vcfg = _sub(cfg, "vision_config") or cfg
+        width, side = int(_first(vcfg, ("patch_embed_hidden_size",), 48)), 4
+        rows, cols = torch.meshgrid(torch.arange(1, side + 1), torch.arange(1, side + 1), indexing="ij")
+        where = torch.stack([rows.flatten(), cols.flatten()], -1).float().unsqueeze(0).expand(batch, -1, -1)
+        inputs["flattened_patches"] = torch.cat([where, torch.randn(batch, side * side, width, generator=gen)], -1)
+        if "attention_mask" in params:
+            inputs["attention_mask"] = torch.ones(batch, side * side, dtype=torch.long)
     if "image" in feed and head == "video-classification" and "pixel_values" in params:
         inputs.update(_video_frames(model, cfg, params, gen, batch))
     elif "image" in feed and "pixel_values" in params:
@@ -269,7 +318,7 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             n = _feature_count(model, "image", image, batch)
             placeholders.append([start, image_id, n or 1, end])
     if "image" in feed and "pixel_values_videos" in params and "video_grid_thw" not in params and \
-            head == "video-classification":
+            (head == "video-classification" or "pixel_values" not in params):  # (a model of videos only)
         inputs["pixel_values_videos"] = _video_frames(model, cfg, params, gen, batch)["pixel_values"]
     video_feed = "video" in feed or "video_frames" in feed
     if video_feed and "pixel_values_videos" in params and "video_grid_thw" in params and video_id is not None:
@@ -298,24 +347,43 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
         inputs.update(_lagged_series(cfg, params, gen, batch))
     elif "past_values" in params:  # a time series: (batch, context, channels) with its observed mask
         context = int(_first(cfg, ("context_length",), 32))
-        channels = int(_first(cfg, ("num_input_channels", "input_size"), 1))
-        inputs["past_values"] = torch.randn(batch, context, channels, generator=gen)
+        channels = _first(cfg, ("num_input_channels", "input_size"))
+        # (batch, context, channels); (batch, context) where the config counts no channels (TimesFM: one series)
+        shape = (batch, context, int(channels)) if channels is not None else (batch, context)
+        inputs["past_values"] = torch.randn(*shape, generator=gen)
         if "past_observed_mask" in params:
-            inputs["past_observed_mask"] = torch.ones(batch, context, channels)
+            inputs["past_observed_mask"] = torch.ones(*shape)
     if "grid_thw" in params:  # a vision tower on its own: flattened patches and their grid
         merge = int(_first(cfg, ("spatial_merge_size", "merge_size"), 2))
         grid = (1, 2 * merge, 2 * merge)
         key = "hidden_states" if "hidden_states" in params else "pixel_values"
         inputs[key] = _grid_pixels(cfg, gen, [grid] * batch)
         inputs["grid_thw"] = torch.tensor([grid] * batch)
+        if "merge_sizes" in params:  # each image's merge (VideoLLaMA 3's tower): the config's
+            inputs["merge_sizes"] = torch.tensor([merge] * batch)
+    if layout.get("patch_images") and isinstance(inputs.get("pixel_values"), torch.Tensor) and \
+            inputs["pixel_values"].ndim == 2:
+        vcfg = _sub(cfg, "vision_config") or cfg
+        patch = int(_first(vcfg, ("patch_size",), 4))
+        if inputs["pixel_values"].shape[1] % (patch * patch) == 0:
+            inputs["pixel_values"] = inputs["pixel_values"].reshape(inputs["pixel_values"].shape[0], -1, patch, patch)
+    if "audio" in feed and "audio_mel" in params:  # Gemma 3n's audio encoder: (batch, frames, mel bins), a
+        mel = _audio_features(cfg, params, gen, batch, True)["input_features"]  # padding mask (True: padded)
+        inputs.update(audio_mel=mel, audio_mel_mask=torch.zeros(mel.shape[:2], dtype=torch.bool))
     if "audio" in feed and "input_features" in params:
         audio = _audio_features(cfg, params, gen, batch, bool(layout.get("audio_time_first")))
         inputs.update(audio)
         if audio_id is not None:
             n = _feature_count(model, "audio", audio, batch)
             placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
-    elif "audio" in feed and "input_values" in params:
-        inputs.update(_audio_values(cfg, gen, batch, layout.get("wave_channels")))
+    if "audio" in feed and "input_values" in params and ("input_features" not in inputs or
+                                                         "input_values" in _required_params(model)):
+        # (a codec that requires both: the waveform and its semantic features, NeuCodec's)
+        wave = _audio_values(cfg, gen, batch, layout.get("wave_channels"))
+        inputs.update(wave)
+        if audio_id is not None and "input_features" not in inputs:  # placeholders for the waveform's features
+            n = _feature_count(model, "audio", wave, batch)
+            placeholders.append([_token_id(cfg, "audio_start"), audio_id, n or 1, _token_id(cfg, "audio_end")])
     if "attention_mask" in params and "input_ids" not in params and not layout.get("no_audio_mask"):
         # a mask over the audio's samples / frames
         wave, features = inputs.get("input_values"), inputs.get("input_features")
@@ -339,6 +407,9 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             inputs["attention_mask"] = torch.ones_like(ids)
         if "token_type_ids" in params:
             inputs["token_type_ids"] = (ids == image_id).long() if image_id is not None else torch.zeros_like(ids)
+            kinds = getattr(cfg, "type_vocab_sizes", None)
+            if isinstance(kinds, (list, tuple)) and kinds:  # one type id per kind (TAPAS: segment, column, row...)
+                inputs["token_type_ids"] = torch.zeros(*ids.shape, len(kinds), dtype=torch.long)
         if "mm_token_type_ids" in params:
             types = torch.zeros_like(ids)
             for kind, token in ((1, image_id), (2, video_id), (3, audio_id)):
@@ -347,8 +418,46 @@ def make_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH,
             inputs["mm_token_type_ids"] = types
         if "bbox" in params:
             inputs["bbox"] = _boxes(batch, ids.shape[-1], gen)
+    if getattr(model, "main_input_name", None) == "inputs" and "inputs" in params:
+        # a speech encoder-decoder: its encoder's own input (a waveform for Wav2Vec2's), named as generate looks
+        # for it
+        want = getattr(getattr(model, "encoder", None), "main_input_name", None)
+        if want == "input_values" and "input_features" in inputs:
+            inputs.pop("input_features")
+            inputs.update(_audio_values(_sub(cfg, "encoder") or cfg, gen, batch))
+            if "attention_mask" in inputs and "input_ids" not in inputs:
+                inputs["attention_mask"] = torch.ones(inputs["input_values"].shape, dtype=torch.long)
+        main = next((k for k in ("input_values", "input_features") if k in inputs), None)
+        if main is not None:
+            inputs["inputs"] = inputs.pop(main)
     _side_inputs(inputs, model, cfg, params, gen, batch, high)
     labels = head_labels(inputs, model, cfg, head, gen, batch, high)
+    if not labels and "input_ids" not in inputs and inputs and "labels" in params and \
+            getattr(cfg, "is_encoder_decoder", False) and head in HEAD_BY_NAME and HEAD_BY_NAME[head].generates:
+        # an encoder-decoder reading no text (Pix2Struct's patches): its decoder's target tokens
+        labels = {"labels": torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)}
+    if {"spectrogram_labels", "duration_labels"} <= params and isinstance(inputs.get("input_ids"), torch.Tensor):
+        # a text-to-speech model trained on its own targets (FastSpeech 2): 2 frames a token, the spectrogram
+        # of those frames, a pitch and an energy a token
+        ids = inputs["input_ids"]
+        frames = 2 * ids.shape[1] * int(_first(cfg, ("reduction_factor",), 1))
+        mels = int(_first(cfg, ("num_mel_bins",), 80))
+        labels = {"spectrogram_labels": torch.randn(batch, frames, mels, generator=gen),
+                  "duration_labels": torch.full(ids.shape, 2, dtype=torch.long),
+                  "pitch_labels": torch.randn(*ids.shape, 1, generator=gen),
+                  "energy_labels": torch.randn(*ids.shape, 1, generator=gen)}
+    codebooks = getattr(cfg, "num_codebooks", None)
+    if hasattr(model, "build_delay_pattern_mask") and isinstance(codebooks, int) and codebooks > 1 and \
+            isinstance(inputs.get("input_ids"), torch.Tensor) and inputs["input_ids"].ndim == 2:
+        # a decoder over parallel audio codebooks (MusicGen): ids (batch * codebooks, seq), labels
+        # (batch, seq, codebooks), one mask per sample
+        ids = inputs["input_ids"]
+        inputs["input_ids"] = ids.repeat_interleave(codebooks, 0)
+        if "labels" in labels:
+            labels["labels"] = ids.unsqueeze(-1).expand(-1, -1, codebooks).contiguous()
+    if "decoder_input_ids" in params and head in ("rnnt", "tdt") and "input_features" in inputs:
+        # a transducer's prediction network: the blank token it starts from (its one step the forward scores)
+        inputs["decoder_input_ids"] = torch.full((batch, 1), int(_first(cfg, ("blank_token_id",), 0)))
     if "decoder_input_ids" in params and "labels" not in labels and "input_ids" in inputs:
         inputs["decoder_input_ids"] = torch.randint(TEXT_LOW, high, (batch, 5), generator=gen)
     return inputs, labels
@@ -371,6 +480,8 @@ def _side_inputs(inputs: dict, model, cfg, params: set, gen, batch: int, high: i
         inputs["visual_feats"] = torch.randn(batch, boxes, int(_first(cfg, ("visual_feat_dim",), 64)), generator=gen)
         inputs["visual_pos"] = torch.rand(batch, boxes, int(_first(cfg, ("visual_pos_dim",), 4)), generator=gen)
     if isinstance(pixels, torch.Tensor) and pixels.ndim == 4 and "prompt_pixel_values" in params:
+        if pixels.shape[-2] == 2 * pixels.shape[-1]:  # (SegGPT's image_size is the image and its prompt stacked)
+            inputs["pixel_values"] = pixels = pixels[..., : pixels.shape[-1], :].contiguous()
         inputs["prompt_pixel_values"] = torch.randn(pixels.shape, generator=gen)
         if "prompt_masks" in params:
             inputs["prompt_masks"] = torch.randn(pixels.shape, generator=gen)
@@ -386,6 +497,16 @@ def _side_inputs(inputs: dict, model, cfg, params: set, gen, batch: int, high: i
                       timesteps=torch.arange(SEQ).repeat(batch, 1))
         if "attention_mask" in params:
             inputs["attention_mask"] = torch.ones(batch, SEQ, dtype=torch.long)
+    latents = _first(cfg, ("latent_query_num",))
+    if "image_embeds_position_mask" in params and ids is not None and isinstance(latents, int) and \
+            isinstance(pixels, torch.Tensor):  # Kosmos-2: the image's latent queries take that many token positions
+        place = torch.randint(TEXT_LOW, high, (batch, latents), generator=gen)
+        inputs["input_ids"] = ids = torch.cat([ids[:, :1], place, ids[:, 1:]], 1)
+        mask = torch.zeros_like(ids)
+        mask[:, 1:1 + latents] = 1
+        inputs["image_embeds_position_mask"] = mask
+        if "attention_mask" in inputs:
+            inputs["attention_mask"] = torch.ones_like(ids)
     if "task_inputs" in params and "pixel_values" in inputs:  # OneFormer's task prompt ("the task is ...")
         inputs["task_inputs"] = torch.randint(TEXT_LOW, high, (batch, int(_first(cfg, ("task_seq_len",), SEQ))),
                                               generator=gen)
@@ -510,6 +631,9 @@ def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> 
             if fixed is not None:
                 inputs, labels = fixed
                 break
+    embedded = _embedded_inputs(model, cfg, inputs, seed, batch)
+    if embedded is not None:
+        inputs = embedded
     note = ""
     if labels:
         was = model.training
@@ -517,10 +641,53 @@ def fitting_inputs(model, cfg, head: str, seed: int = 0, batch: int = BATCH) -> 
         err = _plain_forward_error(model, {**inputs, **labels})
         model.train(was)
         if err is not None:
-            note = f"the head's loss fails plain ({type(err).__name__}: {str(err).splitlines()[0][:120]}): " \
+            first = (str(err).strip().splitlines() or [""])[0][:120]
+            note = f"the head's loss fails plain ({type(err).__name__}: {first}): " \
                    f"trained on a sum of the outputs"
             labels = {}
     return inputs, labels, note
+
+
+# required inputs that are sequences of vectors (a sub-model fed what its parent model computes: a Q-Former's
+# queries, a codec decoder's latents, an assistant's context), and the config widths they may have
+_VECTOR_INPUTS = ("query_embeds", "noise_embeds", "context_hidden_states", "inputs_embeds", "hidden_states",
+                  "latents")
+_WIDTH_KEYS = ("latent_dim", "hidden_size", "codebook_dim", "d_model", "channels", "audio_channels")
+
+
+def _required_params(model) -> list:
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in sig.parameters.items() if p.default is inspect.Parameter.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _embedded_inputs(model, cfg, inputs: dict, seed: int, batch: int) -> dict | None:
+    """The inputs with the forward's required vector-sequence inputs (_VECTOR_INPUTS) it was not given:
+    (batch, length, width) or (batch, width, length), for a width the config states (_WIDTH_KEYS) and a length of
+    SEQ tokens or a WAVE-sample waveform, the first layout the plain forward accepts (None if none is needed or
+    none runs). A cross-attending model also gets its encoder's states at the config's encoder_hidden_size."""
+    missing = [n for n in _required_params(model) if n not in inputs and n in _VECTOR_INPUTS]
+    if not missing:
+        return None
+    gen = torch.Generator().manual_seed(seed + 2)
+    base = dict(inputs)
+    params = _forward_params(model)
+    enc = _first(cfg, ("encoder_hidden_size",))
+    if "encoder_hidden_states" in params and isinstance(enc, int) and "encoder_hidden_states" not in base:
+        base["encoder_hidden_states"] = torch.randn(batch, SEQ, enc, generator=gen)
+    widths = list(dict.fromkeys(int(v) for v in (_first(cfg, (k,)) for k in _WIDTH_KEYS)
+                                if isinstance(v, int) and not isinstance(v, bool) and v > 0))
+    for width in widths:
+        for length in (SEQ, WAVE):
+            for channels_first in (False, True):
+                shape = (batch, width, length) if channels_first else (batch, length, width)
+                trial = dict(base, **{n: torch.randn(*shape, generator=gen) for n in missing})
+                if _plain_forward_error(model, trial) is None:
+                    return trial
+    return None
 
 
 def _fails(model, inputs: dict, labels: dict) -> bool:
@@ -556,19 +723,21 @@ def _with_feature_count(model, cfg, head: str, seed: int, batch: int, inputs: di
     """The inputs with as many image placeholders as the forward's error says it made features, if that
     makes the forward run (None otherwise)."""
     n = _image_count_from_error(err) if "token" in str(err) and "features" in str(err) else None
-    image_id = _token_id(cfg, "image")
+    audio = str(err).lower().startswith("audio")  # ("Audio features and audio tokens do not match": OmniASR's)
+    image_id = _token_id(cfg, "audio" if audio else "image")
     if not n or image_id is None or "input_ids" not in inputs:
         return None
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.tensor([_row(SEQ, [[_token_id(cfg, "vision_start"), image_id, max(1, n // batch),
-                                    _token_id(cfg, "vision_end")]], gen)] * batch)
+    start, end = ("audio_start", "audio_end") if audio else ("vision_start", "vision_end")
+    ids = torch.tensor([_row(SEQ, [[_token_id(cfg, start), image_id, max(1, n // batch),
+                                    _token_id(cfg, end)]], gen)] * batch)
     fixed = dict(inputs, input_ids=ids)
     for k in ("attention_mask",):
         if k in fixed:
             fixed[k] = torch.ones_like(ids)
     for k in ("token_type_ids", "mm_token_type_ids"):
-        if k in fixed:
-            fixed[k] = (ids == image_id).long()
+        if k in fixed:  # (an audio placeholder's modality type is 3, as make_inputs writes it)
+            fixed[k] = (ids == image_id).long() * (3 if audio and k == "mm_token_type_ids" else 1)
     fixed = {k: v for k, v in fixed.items() if k not in ("pixel_values_videos", "video_grid_thw")}
     if _plain_forward_error(model, fixed) is None:
         return fixed, head_labels(fixed, model, cfg, head, gen, batch, min(TEXT_HIGH, _vocab(cfg)))

@@ -2,7 +2,8 @@
 check or leaves a model that cannot run (the census reports name the type and this table's reason).
 
 Each entry sets config keys on the shrunk config dict (a dotted key reaches into a sub-config:
-"text_config.layer_types"), before the config class is built. Entries are data: plain values, no code.
+"text_config.layer_types"), before the config class is built; `base` gives the default config's own
+keyword arguments where the type's default config fails its own checks. Entries are data: plain values, no code.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 class Override:
     why: str
     config: dict = field(default_factory=dict)
+    # keyword arguments of the default config itself, where the type's default fails its own checks
+    base: dict = field(default_factory=dict)
 
 
 OVERRIDES: dict[str, Override] = {
@@ -77,6 +80,145 @@ OVERRIDES.update({
                              {"adaptor_config.intermediate_size": 16}),
 })
 
+# the image placeholder id is unset by default (generate then has no image tokens to put the queries on)
+for _t in ("blip-2", "instructblip", "instructblipvideo"):
+    OVERRIDES[_t] = Override("the image placeholder token is unset by default: one of the tiny vocabulary's",
+                             {"image_token_index": 50000})
+for _t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7"):
+    OVERRIDES[_t] = Override("the image placeholder token is unset by default: one of the tiny vocabulary's",
+                             {"image_token_id": 50000})
+
+# SAM's vision neck outputs the prompt encoder / mask decoder width, their shared positional embedding has half of
+# it per coordinate, and the prompt encoder states the image embedding's side (image_size / patch_size)
+_SAM = {"vision_config.output_channels": 64, "vision_config.num_pos_feats": 32, "vision_config.global_attn_indexes": [1],
+        "prompt_encoder_config.image_embedding_size": 8, "mask_decoder_config.iou_head_hidden_dim": 64}
+for _t in ("sam", "sam_hq"):
+    OVERRIDES[_t] = Override("the vision neck's width, the positional features and the image embedding's side "
+                             "follow the tiny prompt encoder and image (SAM-HQ's decoder also reads the ViT's "
+                             "own width)", dict(_SAM, **({"mask_decoder_config.vit_dim": 64} if _t == "sam_hq" else {})))
+# text recognisers pool their feature map's height by 3 after a stride of 16: images 48 pixels high
+for _t in ("pp_ocrv5_server_rec", "pp_ocrv6_small_rec", "pp_ocrv6_tiny_rec"):
+    OVERRIDES[_t] = Override("a text line's image: 48 pixels high (the feature map is pooled by 3 after a stride of "
+                             "16), 64 wide", {"image_size": [48, 64]})
+OVERRIDES["pp_ocrv5_mobile_rec"] = Override("a text line's image: 96 pixels high (the feature map is pooled by 3 "
+                                            "after a stride of 32), 64 wide", {"image_size": [96, 64]})
+
+# config invariants the generic shrinking cannot know (sums, per-stage lists, layer counts that add up)
+OVERRIDES.update({
+    "reformer": Override("the axial position embeddings' widths sum to hidden_size and their shape multiplies to "
+                         "the (chunked) sequence length: 2 x 4 for the 8 tokens, chunks of 4",
+                         {"axial_pos_shape": [2, 4], "axial_pos_embds_dim": [32, 32], "local_attn_chunk_length": 4,
+                          "lsh_attn_chunk_length": 4, "max_position_embeddings": 8}),
+    "dory": Override("input, recurrent and output layers add up to num_hidden_layers (16 + 40 + 16 by default)",
+                     {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention",
+                                                               "full_attention"],
+                      "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1}),
+    "dots3_note_text": Override("the sliding-window head is the no-rope and rope parts together",
+                                {"head_dim": 32}),
+    "dots3_note": Override("the sliding-window head is the no-rope and rope parts together",
+                           {"text_config.head_dim": 32, "vision_config.adapter_in_dim": 64,
+                            "vision_config.adapter_out_dim": 64, "audio_config.adapter_input_size": 64,
+                            "audio_config.adapter_out_dim": 64}),
+    "efficientloftr": Override("hidden_size is the last stage's width (256 by default); stages of the tiny width; a "
+                               "64-pixel image (training matches in fine windows a 32-pixel one has too few of)",
+                               {"out_features": [16, 16, 32, 64], "stage_num_blocks": [1, 1, 1, 1],
+                                "num_attention_heads": 8, "num_key_value_heads": 8,
+                                # (derived in the config's __post_init__, but the default's values, saved in its
+                                # dict, would be set back over them)
+                                "stage_in_channels": [1, 16, 16, 32], "stage_block_stride": [[2], [1], [2], [2]],
+                                "stage_block_out_channels": [[16], [16], [32], [64]],
+                                "stage_block_in_channels": [[1], [16], [16], [32]], "fine_fusion_dims": [64, 32, 16],
+                                # (training picks matches in a fine window that a 32-pixel image has too few of)
+                                "image_size": 64}),
+    "moonshine_streaming": Override("the decoder reads num_key_value_heads, which its config class does not "
+                                    "declare (a checkpoint's config sets it)", {"num_key_value_heads": 4}),
+    "gemma4_assistant": Override("the default config fails its own check: the assistant's text model takes no "
+                                 "per-layer inputs (Gemma 4's default has them)",
+                                 base={"text_config": {"hidden_size_per_layer_input": 0,
+                                                       "vocab_size_per_layer_input": 0}}),
+    "t5gemma2_encoder": Override("the text model reads dropout_rate, which the full T5Gemma 2 config hands down "
+                                 "(the encoder's own config does not)", {"text_config.dropout_rate": 0.0}),
+    "qwen3_omni_moe": Override("the talker's MoE block reads a shared expert width its config class does not declare",
+                               {"talker_config.text_config.shared_expert_intermediate_size": 128,
+                                "talker_config.spatial_merge_size": 2}),
+    "blt": Override("the per-layer config view counts num_hidden_layers, which the top config does not declare "
+                    "(its sub-models do)", {"num_hidden_layers": 2}),
+    "apertus1p5": Override("the image and audio codebooks occupy consecutive id ranges inside the vocabulary: "
+                           "tiny codebooks above the 256 text ids",
+                           {"text_config.vocab_size": 384, "vision_config.codebook_size": 64,
+                            "audio_config.codebook_size": 64, "image_token_offset": 256, "audio_token_offset": 320,
+                            # (and a VQ image tokenizer and audio decoder of tiny widths: 256 to 1024 channels,
+                            # 4 blocks a stage, by default: 4.5 GB and 40 s for the census of one tiny type)
+                            "vision_config.base_channels": 32, "vision_config.num_res_blocks": 1,
+                            "audio_config.decoder_hidden_size": 64, "audio_config.decoder_intermediate_size": 128,
+                            "audio_config.decoder_num_layers": 2}),
+    "deepseek_ocr2": Override("the decoder's dense / sparse layer kinds are unset by default",
+                              {"text_config.mlp_layer_types": ["dense", "sparse"]}),
+    "diffusion_gemma": Override("experts unset by default", {"text_config.num_experts": 4,
+                                                             "text_config.top_k_experts": 2,
+                                                             "text_config.moe_intermediate_size": 128}),
+    "granite4_vision": Override("the vision layers injected into the decoder (deepstack) are unset by default; "
+                                "the spatial ones name layers of the full decoder",
+                                {"deepstack_layer_map": [[0, 0], [1, 1]], "spatial_target_layers": [1],
+                                 "downsample_rate": "2/4"}),
+    "nemotron3_5_asr": Override("the default language prompt is a slot of the prompt one-hot, not a token id: it "
+                                "stays below num_prompts", {"default_prompt_id": 0}),
+    "pp_formulanet": Override("the vision encoder projects to the text decoder's width, which it states itself",
+                              {"vision_config.decoder_hidden_size": 64}),
+    "align": Override("the image embedding is the EfficientNet's pooled width (its channel lists stay), which the "
+                      "text projection must match", {"projection_dim": 640, "text_config.projection_dim": 640}),
+    "superglue": Override("the keypoint detector's descriptors are the matcher's hidden width; 2 of the 18 "
+                          "self / cross attention layers", {"keypoint_detector_config.descriptor_decoder_dim": 64,
+                                                            "gnn_layers_types": ["self", "cross"]}),
+    "levit": Override("patch_size is the total stride of the 4-convolution stem (16): the attention biases follow "
+                      "image_size / patch_size", {"patch_size": 16, "image_size": 64}),
+    "xmod": Override("the language adapter to use is unset by default (a checkpoint names one)",
+                     {"default_language": "en_XX"}),
+    "llama4": Override("the vision adapter reads the pixel-shuffled patches (4 x the vision width at ratio 0.5) "
+                       "and projects to widths of its own (4096 by default)",
+                       {"vision_config.intermediate_size": 256, "vision_config.projector_input_dim": 64,
+                        "vision_config.projector_output_dim": 64}),
+    "step3p7": Override("the sliding-window layers' window and heads are unset / of the full model by default",
+                        {"text_config.sliding_window": 4, "text_config.num_sliding_attention_heads": 4,
+                         "text_config.share_expert_dim": 128}),
+    "hrm_text": Override("num_hidden_layers counts the stack's layers over all its cycles "
+                         "(layers per stack x H_cycles x (L_cycles + 1)); one layer a stack, one cycle of each",
+                         {"num_layers_per_stack": 1, "H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1],
+                          "num_hidden_layers": 2}),
+    "autoformer": Override("the decoder starts from the last label_length steps of the context (10 by default): "
+                           "no more than the tiny context has", {"label_length": 2}),
+    "timesfm2_5": Override("a context of 16384 steps by default: a few patches", {"context_length": 128}),
+    "depth_pro": Override("the fusion reads the patch encoder's hidden states by layer index (11 and 5 of 24), one "
+                          "per intermediate feature width", {"intermediate_hook_ids": [1, 0]}),
+    "neucodec": Override("the quantizer's width is the acoustic and semantic features concatenated (2 x 64 here; "
+                         "2048 by default)", {"quantization_dim": 128}),
+    "muse_spark_audio": Override("the waveform is cut into tokens of prod(patch_sizes) samples (1920 by default): "
+                                 "patches the tiny 3200-sample waveform divides into; stages of tiny widths (256 to 2048)",
+                                 {"patch_sizes": [4, 4, 2, 2], "hidden_sizes": [32, 32, 64, 64],
+                                  "depths": [1, 1, 1, 1]}),
+    "clap": Override("the audio Swin's last stage (the patch embedding's width doubled per stage) is the "
+                     "audio hidden size", {"audio_config.patch_embeds_hidden_size": 32}),
+    "seggpt": Override("image_size is the input and its prompt stacked (896 x 448 by default): two 32-pixel "
+                       "images", {"image_size": [64, 32]}),
+    "pp_doclayout_v2": Override("each label's score threshold and reading priority are unset by default (a "
+                                "checkpoint lists them)", {"class_thresholds": [0.5, 0.5], "class_order": [0, 1],
+                                 # (the reading-order model's LayoutLMv3 layout embeddings fill its hidden size)
+                                 "reading_order_config.coordinate_size": 12, "reading_order_config.shape_size": 8}),
+    "gemma4_audio": Override("the projection after the 2 stride-2 convolutions reads subsampling_conv_channels[0] "
+                             "as the mel bin count (128 in both by default): the tiny features' 16 bins",
+                             {"subsampling_conv_channels": [16, 32]}),
+    "gemma3n_text": Override("the KV-sharing layers (the last 15 by default) follow layers of every kind",
+                             {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "intermediate_size": 128,
+                              "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+                              "layer_types": ["sliding_attention", "full_attention"] * 2}),
+})
+
+
+def base_kwargs(model_type: str) -> dict:
+    """The keyword arguments the type's default config is built with (the entry's `base`; {} if none)."""
+    entry = OVERRIDES.get(model_type)
+    return dict(entry.base) if entry is not None else {}
+
 
 def apply_override(model_type: str, d: dict) -> str:
     """Set the type's override keys on the shrunk config dict `d`; returns the entry's reason ("" if none)."""
@@ -92,4 +234,4 @@ def apply_override(model_type: str, d: dict) -> str:
     return entry.why
 
 
-__all__ = ["Override", "OVERRIDES", "apply_override"]
+__all__ = ["Override", "OVERRIDES", "apply_override", "base_kwargs"]
