@@ -31,6 +31,8 @@ def _cases():
         ("diff searchsorted broadcast_tensors", lambda t: (torch.diff(t, dim=1), t.diff(dim=-1),
                                                           torch.searchsorted(torch.linspace(-2, 2, 9), t.contiguous()),
                                                           torch.broadcast_tensors(t, t[:1])), [x], None, False),
+        ("embedding_bag", lambda table: F.embedding_bag(torch.arange(12).view(4, 3) % 7, table, mode="mean"),
+         [r(7, 5)], None, True),
         ("full_like", lambda t: torch.full_like(t, 3.0) + t, [x], None, True),
         ("empty_like shape", lambda t: torch.empty_like(t).zero_() + t, [x], None, True),
         ("pad", lambda t: F.pad(t, (1, 2)), [x], None, True),
