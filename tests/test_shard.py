@@ -508,3 +508,26 @@ def test_one_rank_returns_model():
     other = hp.shard_module(copy.deepcopy(ref), hp.Layout((1,), ("tp",)), _llama_plan())  # torch's argument order
     with torch.no_grad():
         torch.testing.assert_close(_full(other(ids).logits), ref(ids).logits, **TOL)
+
+
+def test_a_model_without_embeddings_has_none():
+    """transformers raises NotImplementedError from get_input_embeddings on models that have none (vision
+    towers such as Gemma4VisionModel): shard's report and the pipeline's cutter take that as no embeddings."""
+    from torch import nn
+    from hyper_parallel.parallel.surgery import embeddings
+
+    class Tower(nn.Module):
+        def get_input_embeddings(self):
+            raise NotImplementedError("not auto-handled")
+
+    class WithEmbeddings(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(4, 2)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    assert embeddings(Tower(), "input") is None and embeddings(Tower(), "output") is None
+    model = WithEmbeddings()
+    assert embeddings(model, "input") is model.embed

@@ -171,6 +171,18 @@ def move(x: Tensor, layout_fn: Callable[[int], Layout], where: str) -> DTensor:
 
 
 # ---- what every entry function does besides laying out -----------------------------------------------
+def embeddings(model: nn.Module, which: str) -> nn.Module | None:
+    """The model's input (`which="input"`) or output embeddings, or None: transformers raises
+    NotImplementedError for models that have none (a vision tower: Gemma4VisionModel, PPFormulaNet)."""
+    getter = getattr(model, f"get_{which}_embeddings", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except NotImplementedError:
+        return None
+
+
 def record_applied(model: nn.Module, text: str) -> None:
     """Note on the root module that a parallelism was applied (for `summary`), and log it at INFO."""
     model.__dict__.setdefault("_hp_applied", []).append(text)
@@ -222,6 +234,6 @@ def export(model, path, **kwargs) -> None:
     return _EXPORTER[0](model, path, **kwargs)
 
 
-__all__ = ["registrations", "lay_out_parameters", "replicated_elsewhere", "distribute_parameter",
+__all__ = ["embeddings", "registrations", "lay_out_parameters", "replicated_elsewhere", "distribute_parameter",
            "swapped_parameters", "local_experts", "move", "record_applied", "refuse_foreign_dtensors", "bind_save_pretrained",
            "set_exporter", "export"]

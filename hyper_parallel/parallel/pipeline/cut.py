@@ -37,6 +37,7 @@ from torch import nn
 
 from ...dtensor.dtensor import DTensor
 from ..feed import feed_of, named_inputs
+from ..surgery import embeddings
 from .tie import tied_names
 
 
@@ -89,7 +90,7 @@ _FINAL_NORMS = frozenset({"norm", "ln_f", "norm_f", "final_layer_norm", "final_l
 def find_structure(model: nn.Module) -> Structure:
     """The decoder layers of `model` and the placement of everything else; a ValueError saying why not."""
     name = type(model).__name__
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = embeddings(model, "output")
     if not isinstance(head, nn.Module):
         raise ValueError(f"pipeline: {name} has no output head (get_output_embeddings() is None): the pipeline "
                          f"trains a model whose last stage gives logits; use a model with a language-model head "
@@ -155,7 +156,7 @@ def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
                          f"model.gradient_checkpointing_disable() before pipeline()")
     if n_stages > 1:
         # the embeddings' weight tied to the head is the one weight two stages may share (pipeline/tie.py)
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        embed = embeddings(model, "input")
         tied = getattr(embed, "weight", None) if tied_names(model) else None
         owner: dict = {}
         parts = [(f"layer {i}", layer) for i, layer in enumerate(layer_list(model, structure))]
@@ -422,7 +423,7 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
     if spec.first:
         original_layers[spec.layers.start].register_forward_hook(_output_form_hook(state))
         original_layers[spec.layers.start].register_forward_pre_hook(_first_layer_hook(state), with_kwargs=True)
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        embed = embeddings(model, "input")
         if isinstance(embed, nn.Module):
             embed.register_forward_hook(_embed_shape_hook(state))
     if spec.layers.stop < len(layers._modules):

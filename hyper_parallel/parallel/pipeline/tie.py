@@ -24,6 +24,7 @@ from torch import nn
 from ...dtensor import DTensor
 from ...layout.mesh import DeviceMesh
 from ...redistribute import collectives
+from ..surgery import embeddings
 
 # the model attribute naming every state_dict name of a weight tied across stages (checkpoint/hf.py reads it)
 ALIASES = "_hp_tied_names"
@@ -32,8 +33,7 @@ ALIASES = "_hp_tied_names"
 def tied_names(model: nn.Module) -> tuple[str, ...] | None:
     """Every state_dict name of the weight the input embeddings share with the output head (embedding's
     first), or None when they share none."""
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed, head = embeddings(model, "input"), embeddings(model, "output")
     weight = getattr(embed, "weight", None)
     if weight is None or weight is not getattr(head, "weight", None):
         return None

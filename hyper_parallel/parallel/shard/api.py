@@ -23,8 +23,8 @@ from ...layout.layout import Layout, PlacementLayout, replicate_layout
 from ...layout.mesh import DeviceMesh, ensure_process_group, get_mesh
 from .. import feed
 from ..dims import TP, ParallelDims
-from ..surgery import (bind_save_pretrained, distribute_parameter, lay_out_parameters, move, record_applied,
-                       refuse_foreign_dtensors, replicated_elsewhere, local_experts)
+from ..surgery import (bind_save_pretrained, distribute_parameter, embeddings, lay_out_parameters, move,
+                       record_applied, refuse_foreign_dtensors, replicated_elsewhere, local_experts)
 from .plan import (Boundary, Resolved, ShardingPlan, auto_plan, check_heads, replicate_below,
                    resolve_sharding_plan, resolve_styles, tp_size)
 from .structure import structure_plan
@@ -86,8 +86,8 @@ def _report(model: nn.Module, plan: Any, mesh: DeviceMesh) -> None:
                           f"({ways}-way), plan {plan if isinstance(plan, str) else type(plan).__name__}"
                           f"{by_structure}{kept}")
     ends = set()
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, getter, lambda: None)() if hasattr(model, getter) else None
+    for which in ("input", "output"):
+        module = embeddings(model, which)
         if module is not None and getattr(module, "weight", None) is not None:
             ends.add(id(module.weight))
     if ways > 1 and not split:
