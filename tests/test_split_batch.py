@@ -30,17 +30,24 @@ def _index(entries: list, shape: tuple, g: torch.Generator) -> tuple:
     return tuple(out)
 
 
+def _case_tensor(shape, entries, seed):
+    """A case's generator, plain x, index and x[index] (None where torch itself refuses the index)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    index = _index(entries, shape, g)
+    try:
+        return g, x, index, x[index]
+    except IndexError:
+        return g, x, index, None
+
+
 def _setitem_cases(rank, world, cases):
     """Per case: "ok" (equal to plain torch), "loud" (a layout error), "plain" (torch itself refuses), or why not."""
     mesh = hp.Layout((world,), ("dp",))
     results = []
     for shape, split, entries, scalar, seed in cases:
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(shape, generator=g)
-        index = _index(entries, shape, g)
-        try:
-            target = x[index]
-        except IndexError:
+        g, x, index, target = _case_tensor(shape, entries, seed)
+        if target is None:
             results.append("plain")
             continue
         value = 0.5 if scalar else torch.randn(target.shape[1:] if target.ndim and seed % 2 else target.shape,
@@ -66,12 +73,8 @@ def _view_write_cases(rank, world, cases):
     ops = [lambda v, y: v.add_(y), lambda v, y: v.mul_(y), lambda v, y: v.copy_(y)]
     results = []
     for shape, split, entries, scalar, seed in cases:
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(shape, generator=g)
-        index = _index(entries, shape, g)
-        try:
-            v = x[index]
-        except IndexError:
+        g, x, index, v = _case_tensor(shape, entries, seed)
+        if v is None:
             results.append("plain")
             continue
         y = torch.randn(v.shape, generator=g)
