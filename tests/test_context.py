@@ -360,3 +360,36 @@ def test_generate_property(dist2, name, method, batch, chunks, data):
     pads = tuple(data.draw(st.integers(0, seq - 1)) for _ in range(batch))
     new = data.draw(st.integers(1, 4))
     dist2.run(_generate_cases, [(name, method, batch, seq, pads, new)])
+
+
+def _latent_attention(rank, world):
+    """Worker: DeepSeek-V3's multi-head latent attention (keys built in `kv.new_empty(...)` from the split parts;
+    values narrower than the keys, which torch's CPU flash kernel does not take): a training step under every
+    method and greedy generate equal one process."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    base = build_model_type("deepseek_v3").model.train()
+    vocab = base.config.vocab_size
+    batch = {k: v % vocab for k, v in _batch(padded=True).items() if k != "labels"}
+    batch["attention_mask"] = _batch(padded=True)["attention_mask"]
+    batch["labels"] = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
+    ref = copy.deepcopy(base)
+    want = ref(**batch)
+    want.loss.backward()
+    for method in METHODS:
+        model = hp.context_parallel(copy.deepcopy(base), mesh, "cp", method)
+        out = model(**batch)
+        out.loss.backward()
+        assert torch.allclose(_full(out.loss), want.loss, atol=1e-5), method
+        for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(_full(p.grad), r.grad, atol=1e-5), f"{method}: grad of {n}"
+    ref.eval()
+    model = hp.context_parallel(copy.deepcopy(ref), mesh).eval()
+    prompts = _prompts(2, 8, (0, 3))
+    prompts["input_ids"] = prompts["input_ids"] % vocab
+    assert torch.equal(_generated(model, prompts, 4), _generated(ref, prompts, 4))
+    return True
+
+
+def test_latent_attention_of_deepseek_v3_matches_one_process(dist2):
+    dist2.run(_latent_attention)

@@ -2,9 +2,18 @@
 (2 gloo ranks, and a 2x2 mesh on 4), against plain tensors."""
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
 import hyper_parallel as hp
 from tests.op_check import run_cases, specs_for
+
+
+def _mla_keys(t):
+    """DeepSeek-V3's `expand_kv`: an empty tensor of the source's leading sizes, its parts copied in."""
+    keys = t.new_empty(*t.shape[:-1], 8)
+    keys[..., :5].copy_(t * 2)
+    keys[..., 5:].copy_(t[..., :3].exp())
+    return keys
 
 
 def _cases():
@@ -27,6 +36,10 @@ def _cases():
          [x], None, False),
         ("casts", lambda t: (t * 3).long().float() + (t > 0).int().float(), [x], None, True),
         ("new_zeros / new_full", lambda t: (t.new_zeros(2, 3), t.new_full((3,), 2.0), t.new_ones(2)), [x], None, False),
+        # sizes kept from the source keep its split (MLA's keys: new_empty, then the parts copied in), with grads
+        ("new_* of the source's sizes, parts copied in",
+         lambda t: (_mla_keys(t), t.new_zeros(t.shape) + t, t.new_full((4, 6, 2), 2.0) * t[..., :2],
+                    t.new_ones(size=(4, 3, 5)), t.new_empty(4, 6, 5).fill_(1.5)), [x], None, True),
         ("Tensor.new", lambda t: (t.new(2, 3).zero_(), t.new([1.0, 2.0])), [x], None, False),
         ("diff searchsorted broadcast_tensors", lambda t: (torch.diff(t, dim=1), t.diff(dim=-1),
                                                           torch.searchsorted(torch.linspace(-2, 2, 9), t.contiguous()),
@@ -127,4 +140,40 @@ def test_misc_ops(dist2, dist4):
 
 def test_random_ops_and_foreach(dist2):
     failures = [f for per_rank in dist2.run(_random_and_foreach) for f in per_rank]
+    assert not failures, failures
+
+
+def _new_factory_cases(rank, world, cases):
+    """Worker: each (shape, entries, size, kind) — x laid out by `entries`, then `x.new_<kind>(size)` — has the
+    plain op's values, keeps x's split exactly on the dims whose size it keeps, and is whole elsewhere."""
+    mesh = hp.Layout((world,), ("tp",))
+    failures = []
+    for shape, entries, size, kind in cases:
+        x = hp.distribute_tensor(torch.arange(float(torch.Size(shape).numel())).view(shape), mesh(*entries))
+        make = {"zeros": lambda t: t.new_zeros(size), "ones": lambda t: t.new_ones(*size),
+                "full": lambda t: t.new_full(size, 3.5), "empty": lambda t: t.new_empty(size=size).fill_(2.0)}[kind]
+        out, ref = make(x), make(x.full_tensor())
+        kept = tuple(e if n == m else "None" for e, n, m in zip(entries, size, shape)) if len(size) == len(shape) \
+            else ("None",) * len(size)
+        if not torch.equal(out.full_tensor(), ref) or out.dist_layout.alias_entries() != kept:
+            failures.append(f"{kind} {shape} {entries} -> {size}: {out.dist_layout.alias_entries()}, want {kept}")
+    return failures
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_new_factories_keep_the_split_of_the_sizes_they_keep(dist2, data):
+    """Random shapes, layouts and new sizes (each dim kept or changed, sometimes another rank): values as plain
+    torch's, the source's split kept exactly where the size is."""
+    cases = []
+    for _ in range(4):
+        shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+        split = data.draw(st.integers(-1, len(shape) - 1))
+        entries = tuple("tp" if d == split else "None" for d in range(len(shape)))
+        if data.draw(st.booleans()):
+            size = tuple(n if data.draw(st.booleans()) else data.draw(st.integers(1, 6)) for n in shape)
+        else:
+            size = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+        cases.append((shape, entries, size, data.draw(st.sampled_from(["zeros", "ones", "full", "empty"]))))
+    failures = [f for per_rank in dist2.run(_new_factory_cases, cases) for f in per_rank]
     assert not failures, failures

@@ -95,16 +95,47 @@ class TypeCast(Rule):
 
 
 class NewFactory(Rule):
-    """`x.new_zeros(size)`, `x.new_full(size, v)`, `x.new_tensor(data)`: `x` gives only dtype and device.
+    """`x.new_zeros(size)`, `x.new_full(size, v)`, `x.new_empty(size)`, `x.new_tensor(data)`: `x` gives only
+    dtype and device.
 
     `x` stays where it is (no communication); tensors among the other arguments (0-d sizes, fill
-    values, data) are needed by value and are replicated. The new tensor is replicated.
+    values, data) are needed by value and are replicated. A new tensor of x's rank keeps x's split on
+    every dim whose size it keeps (each rank makes only its piece: the values are one constant, or
+    uninitialised, so any layout holds them exactly) — DeepSeek's MLA builds its keys with
+    `kv.new_empty(...)` and copies the sequence-split parts in, which must stay split under context
+    parallelism. Any other new tensor (another rank, `new_tensor`'s data) is replicated.
     """
 
     def strategy(self, call: OpCall) -> Strategy:
         first = call.inputs[0]
         ins = [first.layout] + [_repl(s) for s in call.inputs[1:]]
-        return Strategy(ins, _out_layouts(call, first.layout))
+        split = self._split_like_source(call, first)
+        if split is None:
+            return Strategy(ins, _out_layouts(call, first.layout))
+        local = split.local_shape(call.out_shapes[0])
+        func = call.func
+
+        def local_fn(x, *args, **kwargs):
+            if "size" in kwargs:
+                kwargs = dict(kwargs, size=local)
+            elif args and isinstance(args[0], (tuple, list)):
+                args = (local,) + args[1:]
+            else:  # x.new_zeros(2, 8, 4): every positional argument is a size
+                args = (local,)
+            return func(x, *args, **kwargs)
+        return Strategy(ins, [split], local_fn)
+
+    @staticmethod
+    def _split_like_source(call: OpCall, first) -> Layout | None:
+        """x's layout on the dims the new tensor keeps the size of (the others whole), or None."""
+        shapes = call.out_shapes
+        if (call.name.endswith("new_tensor") or len(call.inputs) != 1 or shapes is None or len(shapes) != 1
+                or len(shapes[0]) != len(first.shape) or not first.layout.sharded_axes):
+            return None
+        kept = [axes if n == m else () for axes, n, m in zip(first.layout.tensor_map, shapes[0], first.shape)]
+        if not any(kept):
+            return None
+        return first.layout.with_map(kept, (None,) * first.layout.mesh.ndim)
 
 
 class Factory(Rule):

@@ -67,10 +67,11 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _fused(q: Tensor, mask: Tensor | None) -> bool:
-    """torch's CPU flash kernel (no materialised scores, returns the log-sum-exp) serves unmasked blocks; on
-    meta (hp.plan's trace) too, so the plan saves what a CPU run saves."""
-    return mask is None and q.device.type in ("cpu", "meta")
+def _fused(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """torch's CPU flash kernel (no materialised scores, returns the log-sum-exp) serves unmasked blocks whose
+    values have the queries' head size (MLA's do not: DeepSeek's values are narrower than its keys); on meta
+    (hp.plan's trace) too, so the plan saves what a CPU run saves."""
+    return mask is None and q.shape[-1] == v.shape[-1] and q.device.type in ("cpu", "meta")
 
 
 def _repeat_kv(t: Tensor, groups: int) -> Tensor:
@@ -89,7 +90,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: f
     blocks only): a square block on the diagonal, query i sees keys 0..i."""
     b, hq, lq, _ = q.shape
     hkv = k.shape[1]
-    if _fused(q, mask):
+    if _fused(q, v, mask):
         groups = hq // hkv
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), _repeat_kv(k, groups).contiguous(), _repeat_kv(v, groups).contiguous(), 0.0, causal,
@@ -117,7 +118,7 @@ def block_backward(q, k, v, mask, scale, d_out, out, lse, causal: bool = False):
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     g = hq // hkv
-    if _fused(q, mask):
+    if _fused(q, v, mask):
         lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel's own (b, lq, h) storage
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             d_out.contiguous(), q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(),
