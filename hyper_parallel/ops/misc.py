@@ -109,7 +109,7 @@ class NewFactory(Rule):
     def strategy(self, call: OpCall) -> Strategy:
         first = call.inputs[0]
         ins = [first.layout] + [_repl(s) for s in call.inputs[1:]]
-        split = self._split_like_source(call, first)
+        split = self._split_like_source(call)
         if split is None:
             return Strategy(ins, _out_layouts(call, first.layout))
         local = split.local_shape(call.out_shapes[0])
@@ -126,9 +126,9 @@ class NewFactory(Rule):
         return Strategy(ins, [split], local_fn)
 
     @staticmethod
-    def _split_like_source(call: OpCall, first) -> Layout | None:
+    def _split_like_source(call: OpCall) -> Layout | None:
         """x's layout on the dims the new tensor keeps the size of (the others whole), or None."""
-        shapes = call.out_shapes
+        first, shapes = call.inputs[0], call.out_shapes
         if (call.name.endswith("new_tensor") or len(call.inputs) != 1 or shapes is None or len(shapes) != 1
                 or len(shapes[0]) != len(first.shape) or not first.layout.sharded_axes):
             return None
