@@ -211,22 +211,31 @@ def test_ring_merge_matches_sdpa(batch, heads, lq, causal, padded, data):
 
 def _refuses_what_it_would_split_wrong(rank, world):
     """Models whose sequence is mixed by something other than the context-parallel attention are refused on
-    every rank, never run wrong: a recurrent scan (RWKV: after the forward, before its output is returned),
-    attention sinks (GPT-OSS), scan layers in layer_types (Mamba, Qwen3-Next's linear attention) and chunked
-    attention (Llama 4), the last two decided at the call."""
+    every rank, never run wrong: a recurrent scan (RWKV, whose "attention" is code of its own), attention
+    sinks (GPT-OSS: in its attention, the one refusal made in the forward), scan layers in layer_types
+    (Mamba, Qwen3-Next's linear attention), chunked attention (Llama 4), attention code of its own (Bloom),
+    a bias in a 4-D mask of its own (Doge's dynamic mask), cross-attention through the interface (IDEFICS)
+    and positions derived from the token ids (Kosmos-2.5); all but GPT-OSS at the call, before any
+    collective, the model left as it was."""
     from hyper_parallel.tools.auto_models import build_model_type
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     said = []
-    for model_type, at_call in (("rwkv", False), ("gpt_oss", False), ("mamba", True), ("qwen3_next", True),
-                                ("llama4_text", True)):
+    for model_type, at_call in (("rwkv", True), ("gpt_oss", False), ("mamba", True), ("qwen3_next", True),
+                                ("llama4_text", True), ("bloom", True), ("doge", True), ("idefics", True),
+                                ("kosmos-2.5", True)):
         case = build_model_type(model_type)
         ids = torch.randint(1, 50, (2, 8))
+        attn = case.model.config._attn_implementation
         try:
-            model = hp.context_parallel(case.model, mesh)
+            with hp.comm_counter() as comms:
+                model = hp.context_parallel(case.model, mesh)
             assert not at_call, f"{model_type}: context_parallel accepted it"
             model(input_ids=ids, attention_mask=torch.ones_like(ids))
         except ValueError as e:
             said.append(str(e).split(";")[0])
+            if at_call:  # refused before any collective, the model as it was
+                assert not any(comms.counts.values()), (model_type, comms.counts)
+                assert case.model.config._attn_implementation == attn, model_type
         else:
             raise AssertionError(f"{model_type} ran under context parallelism")
     return said
@@ -235,9 +244,14 @@ def _refuses_what_it_would_split_wrong(rank, world):
 def test_models_it_would_split_wrong_are_refused_on_every_rank(dist2):
     said = dist2.run(_refuses_what_it_would_split_wrong)
     assert said[0] == said[1], said
-    scan, sinks, mamba, hybrid, chunked = said[0]
-    assert "none of its layers attended" in scan and "s_aux" in sinks, said[0]
+    scan, sinks, mamba, hybrid, chunked, bloom, doge, idefics, kosmos = said[0]
+    assert "RwkvSelfAttention (blocks.0.attention) computes attention with code of its own" in scan, scan
+    assert "s_aux" in sinks, sinks
     assert "layer_types" in mamba and "linear_attention" in hybrid and "attention_chunk_size" in chunked, said[0]
+    assert "BloomAttention (h.0.self_attention) computes attention with code of its own" in bloom, bloom
+    assert "DogeAttention" in doge and "4-D score mask of its own" in doge, doge
+    assert "IdeficsAttention (gated_cross_attn_layers.0.cross_attn) cross-attends" in idefics, idefics
+    assert "Kosmos2_5TextSinusoidalPositionalEmbedding" in kosmos and "from the token ids" in kosmos, kosmos
 
 
 # ---- generate: the prompt forward split, decoding as on one device ------------------------------------------

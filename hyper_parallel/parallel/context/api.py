@@ -15,6 +15,7 @@ from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
 from .attention import METHODS, ContextSettings, register_attention, split_over_axis
 from .multimodal import check_language_model, language_model_of, split_at_language_model
+from .own_attention import own_attention_problem
 from .zigzag import reorder, token_index, zigzag_slice
 
 SEQ_DIM = 1
@@ -66,6 +67,11 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     language = language_model_of(model)
     if language is not None:
         check_language_model(language)  # before anything changes: a refusal leaves the model as it was
+    # attention code of its own (Bloom, GPT-Neo, ...), a bias in its own 4-D mask, cross-attention, positions from ids
+    problem = own_attention_problem(language if language is not None else model.base_model, config)
+    if problem:
+        raise ValueError(f"context_parallel: {type(model).__name__}: {problem}; run this model without context "
+                         "parallelism")
     lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="context_parallel")
     if settings.parts == 1:  # one rank holds the whole sequence: the model's own attention is exact
         record_applied(model, f"cp: axis {axis!r} of size 1, the sequence is not split")
