@@ -67,9 +67,10 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     language = language_model_of(model)
     if language is not None:
         check_language_model(language)  # before anything changes: a refusal leaves the model as it was
-    # attention code of its own (Bloom, GPT-Neo, ...), a bias in its own 4-D mask, cross-attention, positions from ids
+    # attention code of its own (Bloom, GPT-Neo, ...), a bias in its own 4-D mask, cross-attention, positions from
+    # ids: wrong on a split sequence (an axis of size 1 splits nothing, and the model's attention stays its own)
     problem = own_attention_problem(language if language is not None else model.base_model, config)
-    if problem:
+    if problem and settings.parts > 1:
         raise ValueError(f"context_parallel: {type(model).__name__}: {problem}; run this model without context "
                          "parallelism")
     lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="context_parallel")

@@ -12,8 +12,10 @@ on a split sequence. They are refused when `context_parallel` is called, on ever
 the same on every rank) and before anything communicates or changes, with the module and the reason.
 
 The reading is a heuristic over the classes' source, as transformers' own `_can_set_attn_implementation`
-is; it looks only at the modules that see the split sequence (not at a vision / audio tower of its own
-config, which runs whole).
+is; it looks only at the modules that see the split sequence: a vision / audio tower of its own config runs
+whole and is not read, and attention layers are read in the decoder's layer lists only (a resampler deep in
+a tower without a config of its own, Evolla's, runs whole too). Cross-attention code of its own is left to
+run: its keys are another sequence's, whole, and each query attends them alike in any order.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _source(cls: type) -> str:
 
 def _split_path(root: nn.Module, text_config):
     """(name, module) of the modules under `root` that see the split sequence: a sub-tree that has a config of
-    its own (a vision / audio / protein tower) is left out, it runs whole as on one device."""
+    its own (a vision / audio tower) is left out, it runs whole as on one device."""
     stack = [("", root)]
     while stack:
         name, module = stack.pop()
