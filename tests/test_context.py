@@ -211,18 +211,16 @@ def test_ring_merge_matches_sdpa(batch, heads, lq, causal, padded, data):
 
 def _refuses_what_it_would_split_wrong(rank, world):
     """Models whose sequence is mixed by something other than the context-parallel attention are refused on
-    every rank, never run wrong: a recurrent scan (RWKV, whose "attention" is code of its own), attention
-    sinks (GPT-OSS: in its attention, the one refusal made in the forward), scan layers in layer_types
-    (Mamba, Qwen3-Next's linear attention), chunked attention (Llama 4), attention code of its own (Bloom),
-    a bias in a 4-D mask of its own (Doge's dynamic mask), cross-attention through the interface (IDEFICS)
-    and positions derived from the token ids (Kosmos-2.5); all but GPT-OSS at the call, before any
-    collective, the model left as it was."""
+    every rank, never run wrong: a recurrent scan that layer_types does not name (RWKV, whose "attention" is
+    code of its own), attention sinks (GPT-OSS: in its attention, the one refusal made in the forward), chunked
+    attention (Llama 4), attention code of its own (Bloom), a bias in a 4-D mask of its own (Doge's dynamic
+    mask), cross-attention through the interface (IDEFICS) and positions derived from the token ids
+    (Kosmos-2.5); all but GPT-OSS at the call, before any collective, the model left as it was."""
     from hyper_parallel.tools.auto_models import build_model_type
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     said = []
-    for model_type, at_call in (("rwkv", True), ("gpt_oss", False), ("mamba", True), ("qwen3_next", True),
-                                ("llama4_text", True), ("bloom", True), ("doge", True), ("idefics", True),
-                                ("kosmos-2.5", True)):
+    for model_type, at_call in (("rwkv", True), ("gpt_oss", False), ("llama4_text", True), ("bloom", True),
+                                ("doge", True), ("idefics", True), ("kosmos-2.5", True)):
         case = build_model_type(model_type)
         ids = torch.randint(1, 50, (2, 8))
         attn = case.model.config._attn_implementation
@@ -244,14 +242,97 @@ def _refuses_what_it_would_split_wrong(rank, world):
 def test_models_it_would_split_wrong_are_refused_on_every_rank(dist2):
     said = dist2.run(_refuses_what_it_would_split_wrong)
     assert said[0] == said[1], said
-    scan, sinks, mamba, hybrid, chunked, bloom, doge, idefics, kosmos = said[0]
+    scan, sinks, chunked, bloom, doge, idefics, kosmos = said[0]
     assert "RwkvSelfAttention (blocks.0.attention) computes attention with code of its own" in scan, scan
-    assert "s_aux" in sinks, sinks
-    assert "layer_types" in mamba and "linear_attention" in hybrid and "attention_chunk_size" in chunked, said[0]
+    assert "s_aux" in sinks and "attention_chunk_size" in chunked, said[0]
     assert "BloomAttention (h.0.self_attention) computes attention with code of its own" in bloom, bloom
     assert "DogeAttention" in doge and "4-D score mask of its own" in doge, doge
     assert "IdeficsAttention (gated_cross_attn_layers.0.cross_attn) cross-attends" in idefics, idefics
     assert "Kosmos2_5TextSinusoidalPositionalEmbedding" in kosmos and "from the token ids" in kosmos, kosmos
+
+
+# ---- layers that mix the sequence by a scan run whole --------------------------------------------------------
+def _tiny_batch(vocab: int) -> dict:
+    batch = _batch(padded=True)
+    batch["input_ids"] = batch["input_ids"] % vocab
+    batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"] % vocab, -100)
+    return batch
+
+
+def _scan_layers(rank, world, model_type, methods):
+    """Worker: a model with scan layers (Qwen3-Next: gated delta net layers between attention ones; Mamba: scans
+    only; Falcon-H1: attention and Mamba side by side in every layer): a training step on a right-padded batch
+    under each method, and greedy generate of left-padded prompts (the scan states and the attention keys filled
+    whole by the split prompt forward), equal one process."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    base = build_model_type(model_type).model.train()
+    batch = _tiny_batch(base.config.vocab_size)
+    ref = copy.deepcopy(base)
+    want = ref(**batch)
+    want.loss.backward()
+    for method in methods:
+        model = hp.context_parallel(copy.deepcopy(base), mesh, "cp", method)
+        assert "run whole" in model._hp_applied[-1], model._hp_applied
+        out = model(**batch)
+        out.loss.backward()
+        _assert_same_loss_and_grads(out, want, model, ref, f"{model_type}/{method}")
+    ref.eval()
+    model = hp.context_parallel(copy.deepcopy(ref), mesh).eval()
+    prompts = _prompts(2, 8, (0, 3))
+    prompts["input_ids"] = prompts["input_ids"] % base.config.vocab_size
+    assert torch.equal(_generated(model, prompts, 4), _generated(ref, prompts, 4)), model_type
+    return True
+
+
+@pytest.mark.parametrize("model_type,methods", [("qwen3_next", ("ring", "allgather")), ("mamba", ("ring",)),
+                                                ("falcon_h1", ("ring",))])
+def test_scan_layers_run_whole_and_match_one_process(dist2, model_type, methods):
+    dist2.run(_scan_layers, model_type, methods)
+
+
+def _whole_scan_property(rank, world, batch, chunks, hidden, pad):
+    """Worker: a causal scan (cumulative sum over the sequence, padding zeroed by the 2D mask, as Mamba's mixer
+    zeroes it) run through `run_whole` on a zigzag-split input equals the plain scan, values and gradient."""
+    from hyper_parallel.parallel.context.api import plain_order, split, _padding_mask
+    from hyper_parallel.parallel.context.attention import ContextSettings
+    from hyper_parallel.parallel.context.scan_layers import run_whole
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    settings = ContextSettings(mesh, "cp", "ring")
+    seq = 2 * world * chunks
+    gen = torch.Generator().manual_seed(batch * 100 + seq * 10 + hidden + pad)
+    x = torch.randn(batch, seq, hidden, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[-1, seq - pad:] = 0
+
+    class Scan(torch.nn.Module):
+        def forward(self, hidden_states, attention_mask=None):
+            if attention_mask is not None:
+                hidden_states = hidden_states * attention_mask[:, :, None]
+            return hidden_states.cumsum(1) * 0.5, hidden_states.sum()
+
+    layer = Scan()
+    run_whole(settings, [layer])
+    settings.split_pending = True
+    dx = x.detach().clone().requires_grad_(True)
+    got, total = layer(split(settings, dx, zigzag=True), attention_mask=_padding_mask(settings, mask))
+    assert got.dist_layout.tensor_map[1] == (settings.axis_index,)   # split again for the layers after it
+    got = plain_order(settings, got)
+    (got * got).sum().backward()
+    want = (x * mask[:, :, None]).cumsum(1) * 0.5
+    (want * want).sum().backward()
+    assert torch.allclose(got.full_tensor(), want, atol=1e-12)
+    assert torch.allclose(_full(total), (x * mask[:, :, None]).sum().detach(), atol=1e-12)
+    assert torch.allclose(dx.grad, x.grad, atol=1e-12)
+    return True
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.data())
+def test_scan_run_whole_equals_the_plain_scan(dist2, batch, chunks, hidden, data):
+    """Random batch, sequence (a multiple of 2 x cp), width and padding of the last row."""
+    pad = data.draw(st.integers(0, 4 * chunks - 1))
+    dist2.run(_whole_scan_property, batch, chunks, hidden, pad)
 
 
 # ---- generate: the prompt forward split, decoding as on one device ------------------------------------------

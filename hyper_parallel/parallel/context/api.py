@@ -15,6 +15,7 @@ from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
 from .attention import METHODS, ContextSettings, register_attention, split_over_axis
 from .multimodal import check_language_model, language_model_of, split_at_language_model
+from .scan_layers import run_whole, scan_layer_types, scan_layers
 from .own_attention import own_attention_problem
 from .zigzag import reorder, token_index, zigzag_slice
 
@@ -25,10 +26,6 @@ ZIGZAG_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 PLAIN_INPUTS = ("labels",)
 # the names of a KV cache among a forward's inputs (transformers 5 calls it `cache`, earlier `past_key_values`)
 CACHE_INPUTS = ("cache", "past_key_values")
-
-
-# layer_types words of layers that mix the sequence without attention (linear attention, state-space scans)
-_NOT_ATTENTION = ("linear", "mamba", "recurrent", "conv", "ssm", "rwkv", "delta", "lightning")
 
 
 def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "cp",
@@ -55,21 +52,17 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if method == "ulysses":
         _check_heads_divide(config, mesh, settings)
-    mixers = sorted({t for t in getattr(config, "layer_types", None) or () if isinstance(t, str) and
-                     any(k in t.lower() for k in _NOT_ATTENTION)})
-    if mixers:   # hybrid models: layers that mix the sequence by a scan, which a split sequence breaks
-        raise ValueError(f"context_parallel: the config's layer_types include {mixers} (layers that mix the "
-                         f"sequence without attention) and context parallelism splits attention only; run this "
-                         f"model without context parallelism")
     if getattr(config, "attention_chunk_size", None):   # Llama 4: the mask builder's chunks, not a window
         raise ValueError(f"context_parallel: attention_chunk_size={config.attention_chunk_size} (chunked "
                          f"attention) is not supported; run this model without context parallelism")
     language = language_model_of(model)
     if language is not None:
         check_language_model(language)  # before anything changes: a refusal leaves the model as it was
+    # layers that mix the sequence by a scan (linear attention, state-space, short convolutions) run whole
+    scans = scan_layers(language or model.base_model, config) if scan_layer_types(config) else []
     # attention code of its own (Bloom, GPT-Neo, ...), a bias in its own 4-D mask, cross-attention, positions from
-    # ids: wrong on a split sequence (an axis of size 1 splits nothing, and the model's attention stays its own)
-    problem = own_attention_problem(language if language is not None else model.base_model, config)
+    # ids: wrong on a split sequence (a scan layer runs whole, whatever it holds; an axis of size 1 splits nothing)
+    problem = own_attention_problem(language if language is not None else model.base_model, config, scans)
     if problem and settings.parts > 1:
         raise ValueError(f"context_parallel: {type(model).__name__}: {problem}; run this model without context "
                          "parallelism")
@@ -81,6 +74,7 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     # and runs as on one device (a plain string would be set on the text config's sub-configs too, where the
     # text config is the model's own: Git's, Kimi-K2.5's)
     config._attn_implementation = {"": register_attention(settings)}
+    run_whole(settings, scans)
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
     model.register_forward_hook(whole_logits_when_cached)
     if language is None:
@@ -89,8 +83,9 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
         split_at_language_model(language, settings)
     where = "" if language is None else (f" at the entry of {type(language).__name__} (the towers and 3-D "
                                          "positions whole, as on one device)")
+    whole = f"; {len(scans)} scan layers ({', '.join(scan_layer_types(config))}) run whole" if scans else ""
     record_applied(model, f"cp: sequence split over {axis!r}{where} ({settings.parts} ranks, {method}, "
-                          f"rank i holds chunks i and {2 * settings.parts - 1}-i)")
+                          f"rank i holds chunks i and {2 * settings.parts - 1}-i{whole})")
     return model
 
 
@@ -128,7 +123,7 @@ class SequenceSplit:
         cache = cache_of(inputs)
         if cache is not None:
             problem = cache_problem(cache)
-            if problem or cache.get_seq_length():
+            if problem or holds_tokens(cache):
                 return problem  # a decoding step (the cache holds keys already) is not split
         ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         if ref is None:
@@ -194,7 +189,20 @@ def cache_of(inputs: dict):
 def decoding(inputs: dict) -> bool:
     """Is this forward a decoding step: a KV cache that holds keys already (whole, from the prompt forward)?"""
     cache = cache_of(inputs)
-    return cache is not None and bool(cache.get_seq_length())
+    return cache is not None and holds_tokens(cache)
+
+
+def holds_tokens(cache) -> bool:
+    """Has the KV cache seen tokens already? (A cache of scan layers only, Mamba's, has no sequence length to
+    ask: its layers say whether they hold a state, a convolution's or a recurrence's.)"""
+    from transformers.cache_utils import CacheLayerMixin
+    if any(isinstance(state, Tensor) for state in getattr(cache, "linear_cache", ())):   # MiniMaxCache's scan states
+        return True
+    layers = getattr(cache, "layers", ())
+    if layers and not any(isinstance(layer, CacheLayerMixin) for layer in layers):
+        return any(any(getattr(layer, flag, {}).values()) for layer in layers
+                   for flag in ("is_conv_states_initialized", "is_recurrent_states_initialized"))
+    return bool(cache.get_seq_length())
 
 
 def whole_logits_when_cached(module: nn.Module, args, output):
@@ -208,20 +216,27 @@ def whole_logits_when_cached(module: nn.Module, args, output):
     return output
 
 
+# scan layers' states (their layers run whole, scan_layers.py); DummyLayer: a layer that caches nothing (an MLP-only
+# layer of Nemotron-H, a layer that reads another's keys)
+_SCAN_CACHE_LAYERS = ("LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer",
+                      "LinearAttentionAndSlidingWindowAttentionLayer", "DummyLayer")
+
+
 def cache_problem(cache) -> str | None:
     """Why context parallelism cannot fill or decode over this KV cache, or None: it fills transformers'
     DynamicCache (generate's default) through its layers' own `update`, which a full or sliding-window layer
-    makes as on one device; a static or quantized cache, or layers of another kind, are refused."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-    kinds = (DynamicLayer, DynamicSlidingWindowLayer)
+    makes as on one device (and a linear-attention layer's states, its layer run whole); a static or quantized cache, or layers of another kind, are refused."""
+    from transformers import cache_utils as cu
+    DynamicCache, DynamicLayer, DynamicSlidingWindowLayer = cu.DynamicCache, cu.DynamicLayer, cu.DynamicSlidingWindowLayer
+    kinds = (DynamicLayer, DynamicSlidingWindowLayer) + tuple(getattr(cu, n) for n in _SCAN_CACHE_LAYERS if hasattr(cu, n))
     layers = {type(layer).__name__ for layer in getattr(cache, "layers", ()) if type(layer) not in kinds}
     if isinstance(cache, DynamicCache) and type(cache).update is DynamicCache.update and not layers \
             and getattr(cache, "layer_class_to_replicate", None) in (None,) + kinds:
         return None
     what = type(cache).__name__ + (f" with {sorted(layers)} layers" if layers and isinstance(cache, DynamicCache) else "")
     return (f"context_parallel: a KV cache of type {what} is not supported: the prompt forward fills "
-            "transformers' DynamicCache (generate's default, cache_implementation='dynamic') with full or "
-            "sliding-window layers only; generate with that cache, or with the model before context_parallel")
+            "transformers' DynamicCache (generate's default, cache_implementation='dynamic') with full, "
+            "sliding-window or linear-attention layers only; generate with that cache, or with the model before context_parallel")
 
 
 def _marks_bidirectional_tokens(token_types) -> bool:
@@ -277,7 +292,7 @@ def _update_whole(settings: ContextSettings, cache, keys, values, layer_idx: int
     attends (JetMoE repeats the key/value heads, DiffLlama regroups the values). Outside the prompt forward the
     cache's own `update`."""
     update = type(cache).update
-    if settings.filling is not cache:
+    if settings.filling is not cache or settings.whole_layer:   # a scan layer's keys come whole, plain order
         return update(cache, keys, values, layer_idx, *args, **kwargs)
     if not (split_over_axis(settings, keys) and split_over_axis(settings, values)):
         raise ValueError(f"context_parallel: the keys/values layer {layer_idx} caches are not split on their "

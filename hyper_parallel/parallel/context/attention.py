@@ -47,6 +47,8 @@ class ContextSettings:
     # the KV cache a split (prompt) forward fills, or None: its `update` stores each layer's keys and values whole
     # and in the plain order, as one device holds them (a sequence-split cache could not serve a decoding step)
     filling: object = field(init=False, default=None)
+    # inside a layer that runs whole (scan_layers.py): its attention, if any, is one device's over the whole sequence
+    whole_layer: bool = field(init=False, default=False)
 
     def __post_init__(self):
         self.axis_index = self.mesh.axis_index(self.axis)
@@ -75,7 +77,7 @@ def register_attention(settings: ContextSettings) -> str:
                              f"(attention sinks or a bias added to the scores) is not supported; run this "
                              f"model without context parallelism")
         settings.attention_calls += 1
-        if not settings.split_pending and not split_over_axis(settings, query):
+        if settings.whole_layer or not settings.split_pending and not split_over_axis(settings, query):
             # nothing split this forward (a decoding step over a whole cache): attention as on one device
             return whole_attention(settings, module, query, key, value, attention_mask, scaling, is_causal,
                                    sliding_window, softcap)

@@ -43,15 +43,18 @@ def _source(cls: type) -> str:
     return "\n".join(parts)
 
 
-def _split_path(root: nn.Module, text_config):
+def _split_path(root: nn.Module, text_config, whole: tuple = ()):
     """(name, module) of the modules under `root` that see the split sequence: a sub-tree that has a config of
-    its own (a vision / audio tower) is left out, it runs whole as on one device."""
+    its own (a vision / audio tower) is left out, it runs whole as on one device, and so are the `whole` ones
+    (scan layers, which `scan_layers.run_whole` runs on the whole sequence in the plain order)."""
     stack = [("", root)]
     while stack:
         name, module = stack.pop()
         config = getattr(module, "config", None)
         if module is not root and config is not None and config is not text_config \
                 and hasattr(config, "to_dict") and config is not getattr(root, "config", None):
+            continue
+        if any(module is w for w in whole):
             continue
         yield name, module
         stack.extend((f"{name}.{n}" if name else n, c) for n, c in reversed(list(module.named_children())))
@@ -74,10 +77,11 @@ def _decoder_layer_lists(path: list) -> set:
     return {n for n, _ in lists if n.count(".") == depth}
 
 
-def own_attention_problem(root: nn.Module, text_config) -> str | None:
+def own_attention_problem(root: nn.Module, text_config, whole: list | tuple = ()) -> str | None:
     """Why the modules under `root` (the decoder that gets the split sequence) would attend wrongly over it,
-    or None; the first reason found, naming the module class and its place."""
-    path = list(_split_path(root, text_config))
+    or None; the first reason found, naming the module class and its place. The `whole` modules (scan layers
+    run whole) are not read."""
+    path = list(_split_path(root, text_config, tuple(whole)))
     lists = _decoder_layer_lists(path)
     seen = set()
     for name, module in path:
