@@ -15,8 +15,8 @@ from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
 from .attention import METHODS, ContextSettings, register_attention, split_over_axis
 from .multimodal import check_language_model, language_model_of, split_at_language_model
-from .scan_layers import run_whole, scan_layer_types, scan_layers
 from .own_attention import own_attention_problem
+from .scan_layers import run_whole, scan_layer_types, scan_layers
 from .zigzag import reorder, token_index, zigzag_slice
 
 SEQ_DIM = 1
