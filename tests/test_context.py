@@ -444,11 +444,21 @@ def _sharpened(model):
     return model
 
 
-def _matches_one_process(rank, world, model_type, methods_generating=("ring",)):
-    """Worker: a tiny `model_type`: a training step under every method (loss and every gradient) and greedy
-    generate under `methods_generating` equal one process."""
+# GPT-OSS's attention heads split over "tp" (its q/k/v projections have biases; its experts stay whole)
+ATTENTION_TP_PLAN = {k: v for k, v in TP_PLAN.items() if "self_attn" in k}
+ATTENTION_TP_PLAN.update({f"model.layers.*.self_attn.{m}.bias": ("tp",) for m in ("q_proj", "k_proj", "v_proj")})
+
+
+def _matches_one_process(rank, world, model_type, methods=METHODS, methods_generating=("ring",), tp_plan=None):
+    """Worker: a tiny `model_type`: a training step under `methods` (loss and every gradient) and greedy generate
+    under `methods_generating` equal one process; with `tp_plan`, on a ("cp", "tp") mesh of (world / 2, 2) with
+    the model sharded by it first."""
     from hyper_parallel.tools.auto_models import build_model_type
-    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    mesh = (hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)) if tp_plan is None else
+            hp.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("cp", "tp")))
+
+    def parallel(model):
+        return model if tp_plan is None else hp.shard(model, hp.ShardingPlan(plan=tp_plan), mesh)
     base = _sharpened(build_model_type(model_type).model).train()
     vocab = base.config.vocab_size
     batch = _batch(padded=True)
@@ -457,8 +467,8 @@ def _matches_one_process(rank, world, model_type, methods_generating=("ring",)):
     ref = copy.deepcopy(base)
     want = ref(**batch)
     want.loss.backward()
-    for method in METHODS:
-        model = hp.context_parallel(copy.deepcopy(base), mesh, "cp", method)
+    for method in methods:
+        model = hp.context_parallel(parallel(copy.deepcopy(base)), mesh, "cp", method)
         out = model(**batch)
         out.loss.backward()
         _assert_same_loss_and_grads(out, want, model, ref, f"{model_type}/{method}")
@@ -467,7 +477,7 @@ def _matches_one_process(rank, world, model_type, methods_generating=("ring",)):
     prompts["input_ids"] = prompts["input_ids"] % vocab
     expected = _generated(ref, prompts, 4)
     for method in methods_generating:
-        model = hp.context_parallel(copy.deepcopy(ref), mesh, "cp", method).eval()
+        model = hp.context_parallel(parallel(copy.deepcopy(ref)), mesh, "cp", method).eval()
         assert torch.equal(_generated(model, prompts, 4), expected), (model_type, method)
     return True
 
@@ -483,4 +493,10 @@ def test_sinks_and_softcapping_match_one_process(dist2, model_type):
     """GPT-OSS's attention sinks (their gradient included) on sliding-window and full layers, and Gemma 2's logit
     softcapping (with its sliding layers and final logit softcap): training and greedy generate under every
     method equal one process."""
-    dist2.run(_matches_one_process, model_type, METHODS)
+    dist2.run(_matches_one_process, model_type, METHODS, METHODS)
+
+
+def test_sinks_with_tensor_parallel_match_one_process(dist4):
+    """cp=2 x tp=2: each rank's sink logits are those of its "tp" heads, their gradient gathered back whole
+    (ulysses would need 4 key/value heads)."""
+    dist4.run(_matches_one_process, "gpt_oss", ("ring", "allgather"), ("ring",), ATTENTION_TP_PLAN)
