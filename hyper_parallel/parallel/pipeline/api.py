@@ -460,7 +460,7 @@ class Pipeline:
                         spec = self._carry["spec"]
                     result = ("ok", spec, None if index == n_stages - 1 else tuple(out))
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
-                    result = ("error", f"{type(e).__name__}: {e}", index)
+                    result = ("error", _stage_failure(type(self.model).__name__, index, e), index)
             result = self._share(result, index, owner)
             if result[0] == "error":
                 self._carry.pop("spec", None)
@@ -529,6 +529,28 @@ def _positions_per_row(input_ids, inputs: dict) -> dict:
             and positions.ndim == 2 and positions.shape[0] == 1 and input_ids.shape[0] > 1):
         inputs = {**inputs, "position_ids": positions.expand(input_ids.shape[0], -1)}
     return inputs
+
+
+def _stage_failure(model_name: str, index: int, error: Exception) -> str:
+    """Why stage `index` failed in the probe, said as a refusal: the pipeline's own errors as they are, the
+    model code's (a TypeError, an IndexError, a size mismatch) with what the cut did to that code.
+
+    A later stage runs the model's own forward from the hidden state it receives, with placeholders for the
+    first stage's modules and without the inputs only the first stage takes (pixel values, encoder inputs);
+    the first stage runs it with stand-ins for the later stages' layers. A forward that needs more than that
+    there (an encoder's inputs on every stage, a loop that reads the next layer's submodules) cannot be cut
+    this way, which is said rather than the bare error of the line that failed."""
+    text = f"{type(error).__name__}: {error}"
+    if str(error).startswith("pipeline:"):
+        return text
+    if index == 0:
+        return (f"{model_name}'s forward fails on the first stage ({text}): the stage cutter runs it with stand-ins "
+                f"for the later stages' decoder layers, which this model's code cannot take; use dp/tp for this "
+                f"model")
+    return (f"{model_name}'s forward fails on stage {index} ({text}): a later stage runs the model's own forward "
+            f"from the hidden state it receives, with placeholders for the first stage's modules and without the "
+            f"inputs only the first stage takes (pixel values, encoder inputs), which this model's code needs "
+            f"there; use dp/tp for this model")
 
 
 def _is_communication_failure(error: RuntimeError) -> bool:

@@ -26,9 +26,11 @@ mask, position ids given by the caller) need no carrying.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
-
+import functools
 import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -87,6 +89,41 @@ def _layer_lists(root: nn.Module, prefix: str) -> list[tuple[str, nn.ModuleList]
 _FINAL_NORMS = frozenset({"norm", "ln_f", "norm_f", "final_layer_norm", "final_layernorm", "final_norm"})
 
 
+def _function_ast(fn) -> ast.AST | None:
+    """The parsed body of `fn` (decorators unwrapped), or None where its source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+        return ast.parse(source)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _self_references(cls: type, method: str = "forward", depth: int = 3) -> tuple[str, ...] | None:
+    """The attributes `self.X` that `cls.method` names, every mention in the order of its source, where a call
+    of another method of the class (`self.get_per_layer_inputs(...)`) stands for the attributes that method
+    names (`depth` levels deep). None where the source cannot be read.
+
+    Why: where a child module runs (before or after the layer list) is what places it on the first or the
+    last stage, and the forward's own text says that better than the order the children were registered in
+    (Gemma 3n/4 register their per-layer input embeddings after the final norm, Kosmos-2 its vision tower
+    after the text model, PP-FormulaNet the embeddings' norm after the layers)."""
+    fn = getattr(cls, method, None)
+    tree = _function_ast(fn) if callable(fn) else None
+    if tree is None:
+        return None
+    nodes = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                    and n.value.id == "self"), key=lambda n: (n.lineno, n.col_offset))
+    out: list[str] = []
+    for node in nodes:
+        name = node.attr
+        member = inspect.getattr_static(cls, name, None)
+        if depth > 0 and name != method and inspect.isfunction(member) and name not in dir(nn.Module):
+            out += _self_references(cls, name, depth - 1) or ()
+        out.append(name)
+    return tuple(out)
+
+
 def find_structure(model: nn.Module) -> Structure:
     """The decoder layers of `model` and the placement of everything else; a ValueError saying why not."""
     name = type(model).__name__
@@ -120,6 +157,13 @@ def find_structure(model: nn.Module) -> Structure:
     for depth, holder in enumerate(chain):
         module = _get(model, holder)
         on_path = layers_name if depth == len(chain) - 1 else chain[depth + 1].rsplit(".", 1)[-1]
+        # the holder's forward names its children before or after the one on the path: that places them;
+        # a child it does not name (called by another module's code) goes by registration order
+        # (before its *last* mention: a multimodal model takes the language model's embeddings before its towers)
+        named = _self_references(type(module)) or ()
+        mentions = [i for i, n in enumerate(named) if n == on_path]
+        named_before = set(named[:mentions[-1]]) if mentions else set()
+        named_after = set(named[mentions[-1] + 1:]) if mentions else set()
         seen_path = False
         for child_name, child in module._modules.items():
             if child_name == on_path:
@@ -129,7 +173,13 @@ def find_structure(model: nn.Module) -> Structure:
                 continue  # rotary embeddings, dropout: kept on every stage
             path = _join(holder, child_name)
             final_norm = depth == len(chain) - 1 and child_name in _FINAL_NORMS
-            if child is head or final_norm or depth == len(chain) - 1 and seen_path or depth == 0 and seen_path:
+            if child is head:
+                last.append(path)
+            elif child_name in named_before:
+                first.append(path)
+            elif child_name in named_after:
+                last.append(path)
+            elif final_norm or depth == len(chain) - 1 and seen_path or depth == 0 and seen_path:
                 last.append(path)
             else:
                 first.append(path)
@@ -369,7 +419,7 @@ class _Absent(nn.Module):
 class CarrySpec:
     """What the first stage carries besides the hidden state, in order: (name, kind) entries, kind "bs" (a
     (batch, sequence, ...) tensor), "kbs" (a (k, batch, sequence, ...) tensor, carried with k last),
-    "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
+    "b" (a batch-first tensor of another length: an encoder's states), "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
     (a list of (rows, hidden) tensors, the rows at the True positions of the carried mask M, carried dense);
     and the constants handed to the decoder stack."""
     entries: tuple = ()
@@ -677,6 +727,12 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
         elif isinstance(value, torch.Tensor) and value.ndim >= 3 and tuple(value.shape[1:3]) == (batch, seq):
             entries.append((name, "kbs"))
             pieces.append(value.movedim(0, -1))
+        elif (isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == batch
+              and not isinstance(ids, DTensor)):
+            # batch first, another length second: an encoder's states for cross-attention (PP-FormulaNet),
+            # image features a layer attends to (Kosmos-2); carried whole, as the stage sends its pieces
+            entries.append((name, "b"))
+            pieces.append(value)
         elif (isinstance(value, dict) and value and not isinstance(ids, DTensor)
               and all(v is None or isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch
                       for v in value.values())):
@@ -719,6 +775,9 @@ def _decode(carry: CarrySpec, pieces: Sequence[torch.Tensor], ids, hidden) -> di
         if kind.startswith("rows:"):
             _, mask, n = kind.split(":")
             dense_lists.append((name, mask, [_enter(next(it), ids) for _ in range(int(n))]))
+            continue
+        if kind == "b":   # not in the tokens' layout (only carried where the tokens are plain tensors)
+            out[name] = next(it)
             continue
         value = _enter(next(it), ids)
         out[name] = value.movedim(-1, 0) if kind == "kbs" else value
