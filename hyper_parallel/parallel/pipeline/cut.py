@@ -419,7 +419,7 @@ class _Absent(nn.Module):
 class CarrySpec:
     """What the first stage carries besides the hidden state, in order: (name, kind) entries, kind "bs" (a
     (batch, sequence, ...) tensor), "kbs" (a (k, batch, sequence, ...) tensor, carried with k last),
-    "b" (a batch-first tensor of another length: an encoder's states), "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
+    "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
     (a list of (rows, hidden) tensors, the rows at the True positions of the carried mask M, carried dense);
     and the constants handed to the decoder stack."""
     entries: tuple = ()
@@ -727,12 +727,6 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
         elif isinstance(value, torch.Tensor) and value.ndim >= 3 and tuple(value.shape[1:3]) == (batch, seq):
             entries.append((name, "kbs"))
             pieces.append(value.movedim(0, -1))
-        elif (isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == batch
-              and not isinstance(ids, DTensor)):
-            # batch first, another length second: an encoder's states for cross-attention (PP-FormulaNet),
-            # image features a layer attends to (Kosmos-2); carried whole, as the stage sends its pieces
-            entries.append((name, "b"))
-            pieces.append(value)
         elif (isinstance(value, dict) and value and not isinstance(ids, DTensor)
               and all(v is None or isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch
                       for v in value.values())):
@@ -775,9 +769,6 @@ def _decode(carry: CarrySpec, pieces: Sequence[torch.Tensor], ids, hidden) -> di
         if kind.startswith("rows:"):
             _, mask, n = kind.split(":")
             dense_lists.append((name, mask, [_enter(next(it), ids) for _ in range(int(n))]))
-            continue
-        if kind == "b":   # not in the tokens' layout (only carried where the tokens are plain tensors)
-            out[name] = next(it)
             continue
         value = _enter(next(it), ids)
         out[name] = value.movedim(-1, 0) if kind == "kbs" else value
