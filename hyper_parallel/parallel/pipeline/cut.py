@@ -3,9 +3,12 @@
 Found by structure, not by class name (`find_structure`): the decoder stack is `model.get_decoder()` (the
 language model of a multimodal model), its decoder layers the longest nn.ModuleList of blocks of one
 class under it. Walking from the root down to the module holding that list, every other child goes to
-the first stage or the last: in the holder, what is registered before the list (embeddings) to the
-first, what after it (the final norm) to the last; in the modules between (a multimodal model) the towers
-and projectors to the first; at the root, the output head and what follows the base model to the last.
+the first stage or the last by where the module holding it names it in its forward (`_self_references`):
+before the list (or, above the holder, before the last call of the module on the path) to the first,
+after it to the last. A child the forward does not name goes by registration order: in the holder, what
+is registered before the list (embeddings) to the first, what after it (the final norm) to the last; in
+the modules between (a multimodal model) the towers and projectors to the first; at the root, the output
+head and what follows the base model to the last.
 Modules without parameters (rotary embeddings) stay on every stage.
 
 A stage is a *view* of the model: shallow copies of the modules on that path and of the layer list, in
