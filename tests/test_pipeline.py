@@ -364,26 +364,31 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
 ORDER_HIDDEN = 8
 
 
-def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int):
+def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
     list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
-    reads a transformers model's."""
+    reads a transformers model's. `side`: every layer is also handed a per-token input computed from the
+    embeddings before the loop (half their width, so not the hidden state's shape)."""
     import importlib.util
     import transformers
-    lines = ["import torch", "from torch import nn", "", "class Decoder(nn.Module):",
+    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
+             "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})", "",
+             "    def forward(self, x, side=None):",
+             "        return torch.tanh(self.linear(x) + (0 if side is None else side.repeat(1, 1, 2)))", "",
+             "class Decoder(nn.Module):",
              "    def __init__(self, registered, n_layers):", "        super().__init__()",
              "        for name in registered:",
              "            if name == 'embed':", f"                self.embed = nn.Embedding({VOCAB}, {ORDER_HIDDEN})",
              "            elif name == 'layers':",
-             f"                self.layers = nn.ModuleList(nn.Sequential(nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN}), "
-             "nn.Tanh()) for _ in range(n_layers))",
+             "                self.layers = nn.ModuleList(Layer() for _ in range(n_layers))",
              "            else:", f"                setattr(self, name, nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN}))", "",
              "    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None):",
              "        if inputs_embeds is None:", "            inputs_embeds = self.embed(input_ids)",
              "        x = inputs_embeds"]
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in before]
-    lines += ["        for layer in self.layers:", "            x = layer(x)"]
+    lines += [f"        side = inputs_embeds[..., :{ORDER_HIDDEN // 2}] * 2" if side else "        side = None"]
+    lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
     lines += ["        return (x,)", "", "class Model(nn.Module):", "    def __init__(self, config, registered, n_layers):",
               "        super().__init__()", "        self.config = config", "        self.model = Decoder(registered, n_layers)",
@@ -395,7 +400,7 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
               "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
               "attention_mask=attention_mask)[0]", "        return (self.lm_head(hidden),)", ""]
     folder = tempfile.mkdtemp()
-    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers)))}"
+    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))}"
     path = os.path.join(folder, f"{name}.py")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -436,6 +441,20 @@ def test_placement_follows_the_forward_property(n_before, n_after, n_layers, dat
     grads = dict(plain.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_per_layer_input_from_the_first_stage_is_refused():
+    """A per-token input the decoder computes from its embeddings before the loop and hands every layer (as
+    Gemma 4's per-layer embeddings) would reach a later stage's layers computed from the placeholder
+    embeddings, without an error: the dry run finds the two sides of the cut handed different values and
+    refuses, rather than train on wrong ones."""
+    import hyper_parallel as hp
+    model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, side=True)
+    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    ids, labels = batch()
+    with pytest.raises(ValueError, match="hands the layers 'argument 1'.*which stage 1 computes otherwise"):
+        pipe.step(ids, labels=labels)
 
 
 def pipeline_census_type(rank, world, model_type):

@@ -445,6 +445,9 @@ class StageState:
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
     first_layer_shapes: dict = field(default_factory=dict)   # the first layer's inputs: name -> shape (None: none)
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
+    recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
+    exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
+    entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -548,6 +551,8 @@ def _entry_hook(state: StageState):
         hidden, state.pending = state.pending, None
         if hidden is None:
             return None
+        if state.recording:
+            state.entry_inputs = per_token_inputs(_layer_inputs(args, kwargs), hidden)
         if args:
             return (hidden,) + tuple(args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
@@ -666,6 +671,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     finally:
         captured, state.capture, state.inject, state.pending = state.capture, None, None, None
         layer_kwargs, state.layer_kwargs = state.layer_kwargs, None
+    if state.recording and hidden is not None:
+        state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
     if spec.last:
         logits = getattr(out, "logits", None)
         if logits is None:
@@ -682,6 +689,39 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     else:
         pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:]]
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
+
+
+def per_token_inputs(layer_inputs: dict, hidden) -> dict:
+    """The floating (batch, sequence, ...) tensors among what the loop hands a layer besides the hidden state
+    (this rank's local pieces, detached): per-layer input embeddings, a second residual stream."""
+    if hidden is None:
+        return {}
+    lead = tuple(hidden.shape[:2])
+    return {name: _leave(v).detach() for name, v in layer_inputs.items()
+            if isinstance(v, torch.Tensor) and v is not hidden and v.is_floating_point() and v.ndim >= 2
+            and tuple(v.shape[:2]) == lead}
+
+
+def cut_inputs_problem(exit_inputs: dict | None, entry_inputs: dict | None, model_name: str, index: int) -> str | None:
+    """Why the per-token inputs the loop hands stage `index`'s first layer on that stage differ from what it
+    handed the same layer on the stage before (`exit_inputs`, the whole model's values): computed there from
+    modules or inputs of the first stage (Gemma 4's per-layer input embeddings projected from the token
+    embeddings), they would reach the layer as placeholders' values, a wrong result no error would show.
+    None when they agree (recomputed alike: positions, masks) or cannot be compared (meta tensors)."""
+    if exit_inputs is None or entry_inputs is None:
+        return None
+    for name, want in exit_inputs.items():
+        got = entry_inputs.get(name)
+        if want.is_meta or got is not None and got.is_meta:
+            continue
+        if (got is None or got.shape != want.shape or got.dtype != want.dtype
+                or not torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-6)):
+            return (f"pipeline: the decoder loop of {model_name} hands the layers {name!r} (per token, "
+                    f"{tuple(want.shape)}), which stage {index} computes otherwise than the stage before it (from "
+                    f"modules or inputs only the first stage has: per-layer input embeddings, a second residual "
+                    f"stream); the stages hand each other the hidden state only, so stage {index}'s layers would "
+                    f"get wrong values: use dp/tp for this model")
+    return None
 
 
 def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
