@@ -142,6 +142,17 @@ def find_structure(model: nn.Module) -> Structure:
                          f"decoder stack (the language model) to find its layer list")
     decoder_path = paths[id(decoder)]
     lists = _layer_lists(decoder, decoder_path)
+    base = getattr(model, "base_model", None)
+    if not lists and isinstance(base, nn.Module) and base is not model and id(base) in paths:
+        # get_decoder() naming the head (ModernBERT-decoder calls its output projection `decoder`): the base model
+        decoder, decoder_path = base, paths[id(base)]
+        lists = _layer_lists(decoder, decoder_path)
+    # a list the decoder's own forward names is its layer list: not a longer one inside a tower under it
+    # (Evolla's protein encoder's resampler layers)
+    named = set(_self_references(type(decoder)) or ())
+    own = [(path, m) for path, m in lists if path.rpartition(".")[0] == decoder_path and
+           path.rpartition(".")[2] in named]
+    lists = own or lists
     if not lists:
         raise ValueError(f"pipeline: {name}'s decoder {type(decoder).__name__} holds no nn.ModuleList of decoder "
                          f"layers; the stage cutter cuts along such a list")
@@ -508,10 +519,28 @@ def _decoder_hook(state: StageState):
         if state.capture is not None:
             state.capture.update(named_inputs(module, args, kwargs))
         if state.inject:
-            kwargs = {**kwargs, **state.inject}
-            return args, kwargs
+            inject = dict(state.inject)
+            # what the caller hands positionally (CPM-Ant passes return_dict so) is replaced in place: a keyword
+            # of the same name would be given twice
+            names = _positional_names(module.forward, len(args))
+            args = tuple(inject.pop(n) if n in inject else a for n, a in zip(names, args)) + tuple(args[len(names):])
+            return args, {**kwargs, **inject}
         return None
     return hook
+
+
+def _positional_names(forward, n: int) -> list[str]:
+    """The names of `forward`'s first `n` positional parameters (fewer where it takes *args)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for p in params[:n]:
+        if p.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            break
+        out.append(p.name)
+    return out
 
 
 def _output_form_hook(state: StageState):
