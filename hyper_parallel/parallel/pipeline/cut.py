@@ -1,8 +1,9 @@
 """Cutting a Hugging Face model with a decoder into pipeline stages that run the model's own code.
 
 Found by structure, not by class name (`find_structure`): the decoder stack is `model.get_decoder()` (the
-language model of a multimodal model), its decoder layers the longest nn.ModuleList of blocks of one
-class under it. Walking from the root down to the module holding that list, every other child goes to
+language model of a multimodal model; the base model where it names the head), its decoder layers the
+nn.ModuleList of blocks its forward names, the longest of one class where it names several or none (a list
+inside a tower under it is not the decoder's). Walking from the root down to the module holding that list, every other child goes to
 the first stage or the last by where the module holding it names it in its forward (`_self_references`):
 before the list (or, above the holder, before the last call of the module on the path) to the first,
 after it to the last. A child the forward does not name goes by registration order: in the holder, what
