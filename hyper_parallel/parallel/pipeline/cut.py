@@ -721,7 +721,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
 
 
-def per_token_inputs(layer_inputs: dict, hidden) -> dict:
+def per_token_inputs(layer_inputs: dict, hidden: torch.Tensor | None) -> dict:
     """The floating (batch, sequence, ...) tensors among what the loop hands a layer besides the hidden state
     (this rank's local pieces, detached): per-layer input embeddings, a second residual stream."""
     if hidden is None:
