@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 import hyper_parallel as hp
 from hyper_parallel.parallel.context.attention import METHODS
-from hyper_parallel.parallel.context.ring import Visibility, block_forward, merge
+from hyper_parallel.parallel.context.ring import (BlockAttention, Visibility, block_backward, block_forward, merge,
+                                                  sink_grad, with_sink)
 
 SEQ, BATCH, VOCAB = 16, 2, 96
 
@@ -157,51 +158,80 @@ def test_with_hsdp_on_a_third_axis(dist4):
 
 
 # ---- the block merge, one process -------------------------------------------------------------------
-@settings(max_examples=25, deadline=None)
-@given(st.integers(1, 2), st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.integers(1, 9), st.booleans(),
-       st.booleans(), st.data())
-def test_ring_merge_matches_sdpa(batch, heads, lq, causal, padded, data):
-    """Keys cut into random blocks, each attended alone and folded by the log-sum-exp merge, equal
-    plain sdpa over all keys (causal or not, with a key padding mask), and so do the recomputed
-    block gradients of ring's backward."""
-    from hyper_parallel.parallel.context.ring import block_backward
+def _blocks_case(data, batch, heads, lq, window=None):
+    """q, k, v (float64, requiring grad), the query / key indices (queries the last keys' positions, or past the
+    keys), a key padding mask or None, and random block bounds over the keys."""
     hq, hkv = heads
     lk = data.draw(st.one_of(st.just(lq), st.integers(1, 12)))  # square blocks often: the fused diagonal
     torch.manual_seed(data.draw(st.integers(0, 10_000)))
     q, k, v = (torch.randn(batch, h, n, 8, dtype=torch.float64, requires_grad=True)
                for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
     q_index = torch.arange(lk - lq, lk) if lq <= lk else torch.arange(lq) - (lq - lk)
-    k_index = torch.arange(lk)
-    key_ok = torch.rand(batch, lk) > 0.3 if padded else None
+    key_ok = torch.rand(batch, lk) > 0.3 if data.draw(st.booleans()) else None
     if key_ok is not None:
         key_ok[:, 0] = True
-    vis = Visibility(causal, None, key_ok)
     cuts = sorted(set(data.draw(st.lists(st.integers(1, lk - 1), max_size=3)) if lk > 1 else []))
-    bounds = [0] + cuts + [lk]
-    out = q.new_zeros(batch, hq, lq, 8)
-    lse = q.new_full((batch, hq, lq), float("-inf"))
-    for a, b in zip(bounds, bounds[1:]):
-        o, l = block_forward(q, k[:, :, a:b], v[:, :, a:b], vis.mask(q_index, k_index[a:b], slice(a, b)), 0.3)
+    return q, k, v, q_index, torch.arange(lk), key_ok, [0] + cuts + [lk]
+
+
+def _blockwise(q, k, v, vis, q_index, k_index, bounds, scale, d_out=None, softcap=None, sink=None):
+    """Attention by blocks as ring does it: each key block attended alone, folded by the log-sum-exp merge, the
+    sink applied last; with `d_out`, the gradients (dq, dk, dv, d_sink) summed from ring's block backward."""
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    lse = q.new_full(q.shape[:-1], float("-inf"))
+    masks = [vis.mask(q_index, k_index[a:b], slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+    for (a, b), mask in zip(zip(bounds, bounds[1:]), masks):
+        o, l = block_forward(q, k[:, :, a:b], v[:, :, a:b], mask, scale, softcap=softcap)
         out, lse = merge(out, lse, o, l)
-    full_mask = vis.mask(q_index, k_index, slice(None))
-    ok_rows = None if full_mask is None else full_mask.any(-1)  # rows that see no key come out 0
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if full_mask is None else full_mask[:, None], scale=0.3, enable_gqa=hq != hkv)
-    if ok_rows is not None:
-        want = torch.where(ok_rows[:, None, :, None], want, torch.zeros_like(want))
-    assert torch.allclose(out, want, atol=1e-10)
-    d_out = torch.randn_like(want)
-    gq, gk, gv = torch.autograd.grad(want, (q, k, v), d_out)
+    out, lse = with_sink(out, lse, sink)
+    if d_out is None:
+        return out, lse
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for a, b in zip(bounds, bounds[1:]):
-        bq, bk, bv = block_backward(q, k[:, :, a:b], v[:, :, a:b], vis.mask(q_index, k_index[a:b], slice(a, b)),
-                                    0.3, d_out, out, lse)
+    for (a, b), mask in zip(zip(bounds, bounds[1:]), masks):
+        bq, bk, bv = block_backward(q, k[:, :, a:b], v[:, :, a:b], mask, scale, d_out, out, lse, softcap=softcap)
         dq += bq
         dk[:, :, a:b] += bk
         dv[:, :, a:b] += bv
-    for got, exp in ((dq, gq), (dk, gk), (dv, gv)):
+    return out, lse, (dq, dk, dv, sink_grad(d_out, out, lse, sink))
+
+
+def _eager(q, k, v, mask, scale, softcap=None, sink=None):
+    """One device's eager attention, as transformers writes it: scores, softcap, mask, the sink column
+    concatenated, softmax, the sink dropped; rows that see no key (and no sink) are 0."""
+    g = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None], float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    p = torch.softmax(s, -1).nan_to_num()
+    return p[..., :k.shape[2]] @ v.repeat_interleave(g, 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 2), st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.integers(1, 9), st.booleans(), st.data())
+def test_ring_merge_matches_sdpa(batch, heads, lq, causal, data):
+    """Keys cut into random blocks, each attended alone and folded by the log-sum-exp merge, equal
+    plain sdpa over all keys (causal or not, with a key padding mask), and so do the recomputed
+    block gradients of ring's backward."""
+    q, k, v, q_index, k_index, key_ok, bounds = _blocks_case(data, batch, heads, lq)
+    vis = Visibility(causal, None, key_ok)
+    full_mask = vis.mask(q_index, k_index, slice(None))
+    ok_rows = None if full_mask is None else full_mask.any(-1)  # rows that see no key come out 0
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if full_mask is None else full_mask[:, None], scale=0.3,
+        enable_gqa=heads[0] != heads[1])
+    if ok_rows is not None:
+        want = torch.where(ok_rows[:, None, :, None], want, torch.zeros_like(want))
+    d_out = torch.randn_like(want)
+    out, lse, grads = _blockwise(q, k, v, vis, q_index, k_index, bounds, 0.3, d_out)
+    assert torch.allclose(out, want, atol=1e-10)
+    gq, gk, gv = torch.autograd.grad(want, (q, k, v), d_out)
+    for got, exp in zip(grads, (gq, gk, gv)):
         assert torch.allclose(got, torch.nan_to_num(exp), atol=1e-9)
-    if causal and lq == lk and not padded:  # a diagonal block through torch's fused kernel, no mask
+    if causal and q.shape[2] == k.shape[2] and key_ok is None:  # a diagonal block through torch's fused kernel
         o, l = block_forward(q, k, v, None, 0.3, causal=True)
         assert torch.allclose(o, want, atol=1e-10) and torch.allclose(l, lse, atol=1e-10)
         grads = block_backward(q, k, v, None, 0.3, d_out, out, lse, causal=True)
@@ -209,19 +239,51 @@ def test_ring_merge_matches_sdpa(batch, heads, lq, causal, padded, data):
             assert torch.allclose(got, exp, atol=1e-9)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 2), st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.integers(1, 9), st.booleans(),
+       st.sampled_from([None, 1, 3, 5]), st.sampled_from([None, 0.2, 1.5]), st.booleans(), st.data())
+def test_block_merge_with_sinks_and_softcap_matches_eager(batch, heads, lq, causal, window, softcap, sinks, data):
+    """Attention sinks (one logit per query head in the softmax's denominator, applied after the merge) and
+    logit softcapping (tanh in the block kernel), with causal, sliding-window and padding masks and random
+    key blocks: the merged blocks, ring's block backward (the sink's gradient too) and the one-block kernel of
+    ulysses / allgather (`BlockAttention`, through autograd) equal eager attention with the sink column and
+    the tanh applied."""
+    q, k, v, q_index, k_index, key_ok, bounds = _blocks_case(data, batch, heads, lq)
+    sink = (torch.randn(heads[0], dtype=torch.float64) * 2).requires_grad_() if sinks else None
+    vis = Visibility(causal, window, key_ok)
+    mask = vis.mask(q_index, k_index, slice(None))
+    want = _eager(q, k, v, mask, 0.3, softcap, sink)
+    d_out = torch.randn_like(want)
+    inputs = (q, k, v) + ((sink,) if sinks else ())
+    expect = torch.autograd.grad(want, inputs, d_out)
+    out, _, grads = _blockwise(q, k, v, vis, q_index, k_index, bounds, 0.3, d_out, softcap, sink)
+    assert torch.allclose(out, want, atol=1e-10)
+    for got, exp in zip(grads, expect):
+        assert torch.allclose(got, exp, atol=1e-9)
+    one = BlockAttention.apply(q, k, v, sink, mask, 0.3, softcap)
+    assert torch.allclose(one, want, atol=1e-10)
+    for got, exp in zip(torch.autograd.grad(one, inputs, d_out), expect):
+        assert torch.allclose(got, exp, atol=1e-9)
+
+
 def _refuses_what_it_would_split_wrong(rank, world):
     """Models whose sequence is mixed by something other than the context-parallel attention are refused on
     every rank, never run wrong: a recurrent scan that layer_types does not name (RWKV, whose "attention" is
-    code of its own), attention sinks (GPT-OSS: in its attention, the one refusal made in the forward), chunked
-    attention (Llama 4), attention code of its own (Bloom), a bias in a 4-D mask of its own (Doge's dynamic
-    mask), cross-attention through the interface (IDEFICS) and positions derived from the token ids
-    (Kosmos-2.5); all but GPT-OSS at the call, before any collective, the model left as it was."""
+    code of its own), an `s_aux` that is not one sink logit per query head (GPT-OSS's made a bias per head and
+    key: in its first attention, before any communication), chunked attention (Llama 4), encoder-decoder models
+    (whose decoder inputs are the shifted labels), attention code of its own (Bloom), a bias in a 4-D mask of
+    its own (Doge's dynamic mask), cross-attention through the interface (IDEFICS) and positions derived from
+    the token ids (Kosmos-2.5); all but GPT-OSS at the call, before any collective, the model left as it was."""
     from hyper_parallel.tools.auto_models import build_model_type
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     said = []
-    for model_type, at_call in (("rwkv", True), ("gpt_oss", False), ("llama4_text", True), ("bloom", True),
-                                ("doge", True), ("idefics", True), ("kosmos-2.5", True)):
+    for model_type, at_call in (("rwkv", True), ("gpt_oss", False), ("llama4_text", True),
+                                ("vision-encoder-decoder", True), ("bloom", True), ("doge", True),
+                                ("idefics", True), ("kosmos-2.5", True)):
         case = build_model_type(model_type)
+        if model_type == "gpt_oss":
+            for layer in case.model.model.layers:
+                layer.self_attn.sinks = torch.nn.Parameter(torch.zeros(layer.self_attn.sinks.shape[0], 8))
         ids = torch.randint(1, 50, (2, 8))
         attn = case.model.config._attn_implementation
         try:
@@ -242,9 +304,10 @@ def _refuses_what_it_would_split_wrong(rank, world):
 def test_models_it_would_split_wrong_are_refused_on_every_rank(dist2):
     said = dist2.run(_refuses_what_it_would_split_wrong)
     assert said[0] == said[1], said
-    scan, sinks, chunked, bloom, doge, idefics, kosmos = said[0]
+    scan, sinks, chunked, encoder_decoder, bloom, doge, idefics, kosmos = said[0]
+    assert "is an encoder-decoder model" in encoder_decoder, said[0]
     assert "RwkvSelfAttention (blocks.0.attention) computes attention with code of its own" in scan, scan
-    assert "s_aux" in sinks and "attention_chunk_size" in chunked, said[0]
+    assert "s_aux of shape (4, 8)" in sinks and "attention_chunk_size" in chunked, said[0]
     assert "BloomAttention (h.0.self_attention) computes attention with code of its own" in bloom, bloom
     assert "DogeAttention" in doge and "4-D score mask of its own" in doge, doge
     assert "IdeficsAttention (gated_cross_attn_layers.0.cross_attn) cross-attends" in idefics, idefics
@@ -462,13 +525,38 @@ def test_generate_property(dist2, name, method, batch, chunks, data):
     dist2.run(_generate_cases, [(name, method, batch, seq, pads, new)])
 
 
-def _latent_attention(rank, world):
-    """Worker: DeepSeek-V3's multi-head latent attention (keys built in `kv.new_empty(...)` from the split parts;
-    values narrower than the keys, which torch's CPU flash kernel does not take): a training step under every
-    method and greedy generate equal one process."""
+def _sharpened(model):
+    """q/k projections scaled up (scores of size ~1 instead of ~0.01 in a tiny random model), so that a softcap
+    of 0.5 bends them (Gemma 2) and sink logits drawn at std 1 weigh against them (GPT-OSS)."""
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "q_proj") and hasattr(module, "k_proj"):
+                module.q_proj.weight.mul_(8)
+                module.k_proj.weight.mul_(8)
+            if getattr(module, "attn_logit_softcapping", None) is not None:
+                module.attn_logit_softcapping = 0.5
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_()
+    return model
+
+
+# GPT-OSS's attention heads split over "tp" (its q/k/v projections have biases; its experts stay whole)
+ATTENTION_TP_PLAN = {k: v for k, v in TP_PLAN.items() if "self_attn" in k}
+ATTENTION_TP_PLAN.update({f"model.layers.*.self_attn.{m}.bias": ("tp",) for m in ("q_proj", "k_proj", "v_proj")})
+
+
+def _matches_one_process(rank, world, model_type, methods=METHODS, methods_generating=("ring",), tp_plan=None):
+    """Worker: a tiny `model_type`: a training step under `methods` (loss and every gradient) and greedy generate
+    under `methods_generating` equal one process; with `tp_plan`, on a ("cp", "tp") mesh of (world / 2, 2) with
+    the model sharded by it first."""
     from hyper_parallel.tools.auto_models import build_model_type
-    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    base = build_model_type("deepseek_v3").model.train()
+    mesh = (hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)) if tp_plan is None else
+            hp.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("cp", "tp")))
+
+    def parallel(model):
+        return model if tp_plan is None else hp.shard(model, hp.ShardingPlan(plan=tp_plan), mesh)
+    base = _sharpened(build_model_type(model_type).model).train()
     vocab = base.config.vocab_size
     batch = _batch(padded=True)
     batch["input_ids"] = batch["input_ids"] % vocab
@@ -476,18 +564,36 @@ def _latent_attention(rank, world):
     ref = copy.deepcopy(base)
     want = ref(**batch)
     want.loss.backward()
-    for method in METHODS:
-        model = hp.context_parallel(copy.deepcopy(base), mesh, "cp", method)
+    for method in methods:
+        model = hp.context_parallel(parallel(copy.deepcopy(base)), mesh, "cp", method)
         out = model(**batch)
         out.loss.backward()
-        _assert_same_loss_and_grads(out, want, model, ref, method)
+        _assert_same_loss_and_grads(out, want, model, ref, f"{model_type}/{method}")
     ref.eval()
-    model = hp.context_parallel(copy.deepcopy(ref), mesh).eval()
     prompts = _prompts(2, 8, (0, 3))
     prompts["input_ids"] = prompts["input_ids"] % vocab
-    assert torch.equal(_generated(model, prompts, 4), _generated(ref, prompts, 4))
+    expected = _generated(ref, prompts, 4)
+    for method in methods_generating:
+        model = hp.context_parallel(parallel(copy.deepcopy(ref)), mesh, "cp", method).eval()
+        assert torch.equal(_generated(model, prompts, 4), expected), (model_type, method)
     return True
 
 
 def test_latent_attention_of_deepseek_v3_matches_one_process(dist2):
-    dist2.run(_latent_attention)
+    """DeepSeek-V3's multi-head latent attention (keys built in `kv.new_empty(...)` from the split parts; values
+    narrower than the keys, which torch's CPU flash kernel does not take)."""
+    dist2.run(_matches_one_process, "deepseek_v3")
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2"])
+def test_sinks_and_softcapping_match_one_process(dist2, model_type):
+    """GPT-OSS's attention sinks (their gradient included) on sliding-window and full layers, and Gemma 2's logit
+    softcapping (with its sliding layers and final logit softcap): training and greedy generate under every
+    method equal one process."""
+    dist2.run(_matches_one_process, model_type, METHODS, METHODS)
+
+
+def test_sinks_with_tensor_parallel_match_one_process(dist4):
+    """cp=2 x tp=2: each rank's sink logits are those of its "tp" heads, their gradient gathered back whole
+    (ulysses would need 4 key/value heads)."""
+    dist4.run(_matches_one_process, "gpt_oss", ("ring", "allgather"), ("ring",), ATTENTION_TP_PLAN)

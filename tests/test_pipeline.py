@@ -358,3 +358,120 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
         kwargs = dict(schedule="1f1b", n_microbatches=2, hsdp={"threshold": 0})
         results = dist4.run(train_tied, (2, 2), ("pp", "dp"), kwargs, tmp, False)
         check_tied(results, AutoModelForCausalLM.from_pretrained(tmp).float(), False)
+
+
+# ---- placement by where the forward names a module -----------------------------------------------------
+ORDER_HIDDEN = 8
+
+
+def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False):
+    """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
+    `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
+    list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
+    reads a transformers model's. `side`: every layer is also handed a per-token input computed from the
+    embeddings before the loop (half their width, so not the hidden state's shape)."""
+    import importlib.util
+    import transformers
+    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
+             "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})", "",
+             "    def forward(self, x, side=None):",
+             "        return torch.tanh(self.linear(x) + (0 if side is None else side.repeat(1, 1, 2)))", "",
+             "class Decoder(nn.Module):",
+             "    def __init__(self, registered, n_layers):", "        super().__init__()",
+             "        for name in registered:",
+             "            if name == 'embed':", f"                self.embed = nn.Embedding({VOCAB}, {ORDER_HIDDEN})",
+             "            elif name == 'layers':",
+             "                self.layers = nn.ModuleList(Layer() for _ in range(n_layers))",
+             "            else:", f"                setattr(self, name, nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN}))", "",
+             "    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None):",
+             "        if inputs_embeds is None:", "            inputs_embeds = self.embed(input_ids)",
+             "        x = inputs_embeds"]
+    lines += [f"        x = torch.tanh(self.{name}(x))" for name in before]
+    lines += [f"        side = inputs_embeds[..., :{ORDER_HIDDEN // 2}] * 2" if side else "        side = None"]
+    lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
+    lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
+    lines += ["        return (x,)", "", "class Model(nn.Module):", "    def __init__(self, config, registered, n_layers):",
+              "        super().__init__()", "        self.config = config", "        self.model = Decoder(registered, n_layers)",
+              f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
+              "    def get_input_embeddings(self):", "        return self.model.embed", "",
+              "    def get_output_embeddings(self):", "        return self.lm_head", "",
+              "    def get_decoder(self):", "        return self.model", "",
+              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):",
+              "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
+              "attention_mask=attention_mask)[0]", "        return (self.lm_head(hidden),)", ""]
+    folder = tempfile.mkdtemp()
+    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))}"
+    path = os.path.join(folder, f"{name}.py")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(seed)
+    return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 3), st.integers(2, 5), st.data())
+def test_placement_follows_the_forward_property(n_before, n_after, n_layers, data):
+    """Children the decoder's forward calls before its layer list go to the first stage, those it calls after
+    to the last, whatever order they were registered in; cut into 2..layers stages run one after the other
+    in one process, loss and every gradient equal the plain model's."""
+    import copy
+    import hyper_parallel as hp
+    before = [f"pre{i}" for i in range(n_before)]
+    after = [f"post{i}" for i in range(n_after)]
+    registered = data.draw(st.permutations(["embed", "layers"] + before + after))
+    n_stages = data.draw(st.integers(2, n_layers))
+    model = _ordered_model(list(registered), before, after, n_layers, seed=0)
+    structure = cut.find_structure(model)
+    assert set(structure.first) == {"model.embed", *(f"model.{n}" for n in before)}
+    assert set(structure.last) == {"lm_head", *(f"model.{n}" for n in after)}
+    plain = copy.deepcopy(model)
+    ids, labels = batch()
+    logits = plain(input_ids=ids)[0]
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shift.reshape(-1), ignore_index=-100)
+    want.backward()
+    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=n_stages, n_microbatches=2)
+    assert len(pipe.stages) == n_stages
+    got = pipe.step(ids, labels=labels)
+    assert float(got) == pytest.approx(float(want.detach()), abs=1e-5)
+    grads = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_per_layer_input_from_the_first_stage_is_refused():
+    """A per-token input the decoder computes from its embeddings before the loop and hands every layer (as
+    Gemma 4's per-layer embeddings) would reach a later stage's layers computed from the placeholder
+    embeddings, without an error: the dry run finds the two sides of the cut handed different values and
+    refuses, rather than train on wrong ones."""
+    import hyper_parallel as hp
+    model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, side=True)
+    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    ids, labels = batch()
+    with pytest.raises(ValueError, match="hands the layers 'argument 1'.*which stage 1 computes otherwise"):
+        pipe.step(ids, labels=labels)
+
+
+def pipeline_census_type(rank, world, model_type):
+    """Worker: the census's own pp comparison (census_scenarios.pipeline_run) of one transformers type."""
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import build_model_type
+    from hyper_parallel.tools.census_scenarios import pipeline_run
+    template = build_model_type(model_type, 0)
+    import copy
+    report = pipeline_run(model_type, lambda: copy.deepcopy(template), hp.init_device_mesh("cpu", (2,), ("pp",)),
+                          record=False)
+    return report.equal, report.error, report.detail
+
+
+def test_pp2_module_registered_after_its_layers_matches_one_process(dist2):
+    """Phi-4-multimodal registers the embeddings' extension (embed_tokens_extend) after its final norm and
+    calls it before the layers: placed on the first stage by its forward's text, pp=2 trains as one process
+    (loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, "phi4_multimodal"):
+        assert error is None and equal, (error, detail)

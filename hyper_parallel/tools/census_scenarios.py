@@ -167,6 +167,11 @@ def pipeline_run(name: str, build: Callable[[], ModelCase], mesh, record: bool =
         report.plain_ok = True
         case = build()
         inputs = dict(case.inputs)
+        if "input_ids" not in inputs:   # an encoder-decoder fed pixels or patches, its tokens as decoder inputs
+            raise ValueError(f"pipeline: {type(case.model).__name__} is fed no input_ids (its inputs: "
+                             f"{sorted(inputs)}); Pipeline.step takes the token ids its first stage embeds and "
+                             f"one label per token, as a decoder-only language model is fed: use dp/tp for this "
+                             f"model")
         ids, labels = inputs.pop("input_ids"), case.labels.get("labels")
         with (record_missing_ops() if record else contextlib.nullcontext(MissingOpRecord())) as rec:
             pipe = hp.pipeline(case.model, mesh, "pp", schedule="1f1b", n_microbatches=PIPELINE_MICROBATCHES)

@@ -52,6 +52,11 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if method == "ulysses":
         _check_heads_divide(config, mesh, settings)
+    if getattr(model.config, "is_encoder_decoder", False):   # Florence-2, UDOP, T5Gemma2, VisionEncoderDecoder
+        raise ValueError(f"context_parallel: {type(model).__name__} is an encoder-decoder model "
+                         f"(config.is_encoder_decoder): its decoder inputs are the labels shifted right and its "
+                         f"cross-attention reads the encoder's sequence, neither of which the sequence split keeps "
+                         f"exact; run this model without context parallelism (dp, tp or hsdp)")
     if getattr(config, "attention_chunk_size", None):   # Llama 4: the mask builder's chunks, not a window
         raise ValueError(f"context_parallel: attention_chunk_size={config.attention_chunk_size} (chunked "
                          f"attention) is not supported; run this model without context parallelism")

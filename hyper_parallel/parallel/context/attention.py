@@ -8,6 +8,11 @@ original token index of every query and key, and the mask builders of `masking_u
 padding mask over untouched (the mask function registered under the same name returns it as is). The model's code is not modified: q, k, v arrive as DTensors
 split on the sequence over the context axis (heads possibly split over "tp"), and the output leaves
 as one, so everything around attention keeps going through the DTensor dispatch.
+
+Attention sinks (`s_aux`: one logit per query head, GPT-OSS) and logit softcapping (`softcap`, Gemma 2) are
+done exactly by every method (`ring.py`: the sink in the softmax's denominator after the blocks are merged,
+the softcap in the unfused block kernel); ordinary attention keeps its fused path. The sink's gradient is
+this rank's queries' share, summed over the axis (`_SumGradOverAxis`) before it reaches the parameter.
 """
 from __future__ import annotations
 
@@ -21,12 +26,13 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ...dtensor import DTensor
 from ...redistribute import collectives as C
-from .ring import Ring, RingAttention, Visibility, block_forward
+from .ring import BlockAttention, Ring, RingAttention, Visibility, block_forward
 from .zigzag import token_index
 
 METHODS = ("ring", "ulysses", "allgather")
-# attention keywords some models pass that change the math the context-parallel kernels do (refused, never dropped)
-MATH_KWARGS = ("s_aux", "sinks", "position_bias", "attn_bias", "alibi", "attention_bias")
+# attention keywords some models pass that change the math the context-parallel kernels do (refused, never dropped);
+# `s_aux` is taken where it is one sink logit per query head (`_check_sink`)
+MATH_KWARGS = ("sinks", "position_bias", "attn_bias", "alibi", "attention_bias")
 
 
 @dataclass
@@ -70,19 +76,20 @@ def register_attention(settings: ContextSettings) -> str:
     name = f"hyper_parallel_cp_{settings.method}_{id(settings):x}"
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                  sliding_window=None, softcap=None, **kwargs):
+                  sliding_window=None, softcap=None, s_aux=None, **kwargs):
         changing = sorted(k for k in MATH_KWARGS if kwargs.get(k) is not None)
         if changing:
             raise ValueError(f"{_where(module)}: {', '.join(changing)} "
                              f"(attention sinks or a bias added to the scores) is not supported; run this "
                              f"model without context parallelism")
+        _check_sink(s_aux, query, _where(module))
         settings.attention_calls += 1
         if settings.whole_layer or not settings.split_pending and not split_over_axis(settings, query):
             # nothing split this forward (a decoding step over a whole cache): attention as on one device
             return whole_attention(settings, module, query, key, value, attention_mask, scaling, is_causal,
-                                   sliding_window, softcap)
+                                   sliding_window, softcap, s_aux)
         return context_attention(settings, module, query, key, value, attention_mask, dropout, scaling,
-                                 is_causal, sliding_window, softcap)
+                                 is_causal, sliding_window, softcap, s_aux)
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, _padding_mask_as_is)
@@ -95,13 +102,12 @@ def _padding_mask_as_is(attention_mask=None, **_):
 
 
 def context_attention(settings, module, query, key, value, attention_mask, dropout, scaling, is_causal,
-                      sliding_window, softcap):
+                      sliding_window, softcap, s_aux=None):
     """(b, L, heads, dv) DTensor output of exact attention over the whole (split) sequence, and None."""
     where = _where(module)
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; set the config's "
                          "attention_dropout to 0")
-    _refuse_softcap(softcap, where)
     query, key, value = _common_layout(settings, query, key, value, where)
     if isinstance(attention_mask, Tensor) and attention_mask.ndim != 2:
         raise ValueError(f"{where}: only 2D padding masks are supported, got a {attention_mask.ndim}D mask")
@@ -111,12 +117,15 @@ def context_attention(settings, module, query, key, value, attention_mask, dropo
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.to_local(), key.to_local(), value.to_local()
     ring = settings.ring(seq_len, q.device)
+    sink = _local_sink(s_aux, query)
+    if sink is not None:  # each rank's gradient is its queries' share (its heads' under ulysses)
+        sink = _SumGradOverAxis.apply(sink, settings)
     if settings.method == "ring":
-        out = RingAttention.apply(q, k, v, ring, vis, scale)
+        out = RingAttention.apply(q, k, v, sink, ring, vis, scale, softcap)
     elif settings.method == "ulysses":
-        out = _ulysses(settings, ring, vis, q, k, v, scale, where)
+        out = _ulysses(settings, ring, vis, q, k, v, scale, where, sink, softcap)
     else:
-        out = _allgather(settings, ring, vis, q, k, v, scale)
+        out = _allgather(settings, ring, vis, q, k, v, scale, sink, softcap)
     return _output(out, query, value), None
 
 
@@ -133,9 +142,29 @@ def _output(out: Tensor, query, value):
     return out.transpose(1, 2).contiguous()
 
 
-def _refuse_softcap(softcap, where: str) -> None:
-    if softcap is not None:
-        raise ValueError(f"{where}: logit softcapping is not supported")
+def _check_sink(s_aux, query, where: str) -> None:
+    """`s_aux` is taken as transformers' attention sinks: one logit per query head (GPT-OSS's `sinks`
+    parameter), which is all transformers 5 passes; anything else (a bias added to the scores, per query or
+    key) is refused, on every rank alike (shapes only)."""
+    if s_aux is None:
+        return
+    if not isinstance(s_aux, Tensor) or tuple(s_aux.shape) != (query.shape[1],):
+        shape = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
+        raise ValueError(f"{where}: s_aux of shape {shape} is not one sink logit per query head "
+                         f"({query.shape[1]},) (a bias added to the scores) and is not supported; run this "
+                         f"model without context parallelism")
+
+
+def _local_sink(s_aux, query) -> Tensor | None:
+    """The sink logits of this rank's query heads (query's local heads), a local tensor whose gradient reaches
+    the `s_aux` parameter (through its DTensor's redistribution: heads split as the query's are)."""
+    if s_aux is None or not isinstance(query, DTensor):
+        return s_aux.full_tensor() if isinstance(s_aux, DTensor) else s_aux
+    layout = query.dist_layout
+    target = layout.with_map((layout.tensor_map[1],), (None,) * layout.mesh.ndim)
+    if not isinstance(s_aux, DTensor):
+        s_aux = DTensor.from_local(s_aux, layout.replicated(1))
+    return (s_aux if s_aux.dist_layout is target else s_aux.redistribute(target)).to_local()
 
 
 def _padding_keys(attention_mask, keys: int | None = None) -> Tensor | None:
@@ -155,14 +184,13 @@ def split_over_axis(settings, t) -> bool:
 
 
 def whole_attention(settings, module, query, key, value, attention_mask, scaling, is_causal, sliding_window,
-                    softcap):
+                    softcap, s_aux=None):
     """Attention of a query whose sequence is not split over the axis (a decoding step of `generate`: one new
     token over a cache that holds every key whole, the same on every rank) computed as one device does, on
     each rank's heads, without communication. The keys are the cache's (the last ones where a sliding-window
     layer keeps only those), so the queries are the last of them: causal and window masks by that position,
     the padding mask's last columns for the keys."""
     where = _where(module)
-    _refuse_softcap(softcap, where)
     if isinstance(query, DTensor):
         query, key, value = _common_layout(settings, query, key, value, where, split=False)
     q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (query, key, value))
@@ -175,7 +203,8 @@ def whole_attention(settings, module, query, key, value, attention_mask, scaling
     if mask is not None and bool(mask.all()):   # every key visible (one query, no padding): sdpa unmasked
         vis = Visibility(False)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    return _output(_local_attention(q, k, v, vis, q_index, k_index, scale), query, value), None
+    out = _local_attention(q, k, v, vis, q_index, k_index, scale, _local_sink(s_aux, query), softcap)
+    return _output(out, query, value), None
 
 
 def _common_layout(settings, query, key, value, where, split: bool = True):
@@ -201,9 +230,12 @@ def _all_index(ring: Ring) -> Tensor:
     return torch.cat(ring.index)
 
 
-def _local_attention(q, k, v, vis: Visibility, q_index, k_index, scale):
-    """Plain differentiable attention of q over k/v with the global-position mask (torch's sdpa when it can)."""
+def _local_attention(q, k, v, vis: Visibility, q_index, k_index, scale, sink=None, softcap=None):
+    """Plain differentiable attention of q over k/v with the global-position mask (torch's sdpa when it can;
+    the block kernel where sinks or a softcap change the scores)."""
     mask = vis.mask(q_index, k_index, slice(None))
+    if sink is not None or softcap is not None:
+        return BlockAttention.apply(q, k, v, sink, None if mask is None else mask.to(q.device), scale, softcap)
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
@@ -213,12 +245,12 @@ def _local_attention(q, k, v, vis: Visibility, q_index, k_index, scale):
     return block_forward(q, k, v, mask, scale)[0]  # rows that see no key at all come out 0
 
 
-def _allgather(settings, ring, vis, q, k, v, scale):
+def _allgather(settings, ring, vis, q, k, v, scale, sink=None, softcap=None):
     k_full, v_full = _GatherSequence.apply(k, settings), _GatherSequence.apply(v, settings)
-    return _local_attention(q, k_full, v_full, vis, ring.index[ring.rank], _all_index(ring), scale)
+    return _local_attention(q, k_full, v_full, vis, ring.index[ring.rank], _all_index(ring), scale, sink, softcap)
 
 
-def _ulysses(settings, ring, vis, q, k, v, scale, where):
+def _ulysses(settings, ring, vis, q, k, v, scale, where, sink=None, softcap=None):
     parts = settings.parts
     for name, t in (("query", q), ("key/value", k)):
         if t.shape[1] % parts:
@@ -226,7 +258,11 @@ def _ulysses(settings, ring, vis, q, k, v, scale, where):
                              f"by the {settings.axis!r} size {parts}; use method='ring' or 'allgather'")
     q, k, v = (_AllToAll.apply(t, settings, 2, 1) for t in (q, k, v))  # sequence split -> head split
     index = _all_index(ring)
-    if vis.key_ok is None:  # back to the plain order, where a causal mask is sdpa's is_causal
+    if sink is not None or softcap is not None:  # the block kernel, on this rank's heads
+        heads = q.shape[1]
+        sink = None if sink is None else sink[settings.rank * heads:(settings.rank + 1) * heads]
+        out = _local_attention(q, k, v, vis, index, index, scale, sink, softcap)
+    elif vis.key_ok is None:  # back to the plain order, where a causal mask is sdpa's is_causal
         order = torch.argsort(index)
         q, k, v = (t.index_select(2, order.to(q.device)) for t in (q, k, v))   # indices stay on the CPU for meta
         vis_plain = Visibility(vis.causal, vis.window)
@@ -237,6 +273,21 @@ def _ulysses(settings, ring, vis, q, k, v, scale, where):
     else:
         out = _local_attention(q, k, v, vis, index, index, scale)
     return _AllToAll.apply(out, settings, 1, 2)
+
+
+class _SumGradOverAxis(torch.autograd.Function):
+    """Identity whose gradient is summed over the axis: a replicated value (the sink logits) that each rank
+    used on its own queries, so that its gradient is the whole sequence's on every rank."""
+
+    @staticmethod
+    def forward(ctx, t, settings):
+        ctx.settings = settings
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = ctx.settings
+        return C.all_reduce(grad, "sum", s.group, s.parts), None
 
 
 class _GatherSequence(torch.autograd.Function):

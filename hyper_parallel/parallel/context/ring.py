@@ -10,6 +10,16 @@ Shapes: q (b, hq, lq, d), k and v (b, hkv, lk, d) with hq a multiple of hkv (GQA
 not repeated, query heads are grouped per K/V head). Masks are computed per block from the original
 token index of every query and key (`Visibility`), so causal, sliding-window and padding masks use
 global positions whatever order the tokens are held in.
+
+Two changes to the scores that one device's eager attention makes are done exactly here: logit
+softcapping (`softcap * tanh(scores / softcap)` before the mask, Gemma 2), which torch's fused kernel
+cannot do, so such blocks take the unfused kernel; and attention sinks (`sink`, one logit per query
+head concatenated to every row of scores and dropped after the softmax, GPT-OSS), which change only the
+softmax's denominator: after the blocks are merged, `out * sigmoid(lse - sink)` and
+`lse = logaddexp(lse, sink)` (`with_sink`), the sink being a key whose value is 0. The backward of the
+blocks then runs unchanged from that final out and lse (the sink's probability is part of the
+denominator, its value adds nothing), and the sink's own gradient is `-exp(sink - lse) * rowsum(d_out * out)`
+(`sink_grad`).
 """
 from __future__ import annotations
 
@@ -51,12 +61,14 @@ class Visibility:
         return self.causal and bool(k_index.min() > q_index.max())
 
 
-def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """(b, hkv, g, lq, lk) scaled scores with masked entries at -inf."""
+def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float | None = None) -> Tensor:
+    """(b, hkv, g, lq, lk) scaled (and softcapped) scores with masked entries at -inf."""
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     s = torch.matmul(q.reshape(b, hkv, (hq // hkv) * lq, d), k.transpose(-1, -2)) * scale
     s = s.view(b, hkv, hq // hkv, lq, k.shape[2])
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask[:, None, None].to(s.device), _NEG_INF)
     return s
@@ -67,11 +79,12 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _fused(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+def _fused(q: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None) -> bool:
     """torch's CPU flash kernel (no materialised scores, returns the log-sum-exp) serves unmasked blocks whose
-    values have the queries' head size (MLA's do not: DeepSeek's values are narrower than its keys); on meta
-    (hp.plan's trace) too, so the plan saves what a CPU run saves."""
-    return mask is None and q.shape[-1] == v.shape[-1] and q.device.type in ("cpu", "meta")
+    values have the queries' head size (MLA's do not: DeepSeek's values are narrower than its keys) and whose
+    scores are not softcapped (the kernel has no tanh); on meta (hp.plan's trace) too, so the plan saves what a
+    CPU run saves."""
+    return mask is None and softcap is None and q.shape[-1] == v.shape[-1] and q.device.type in ("cpu", "meta")
 
 
 def _repeat_kv(t: Tensor, groups: int) -> Tensor:
@@ -85,12 +98,13 @@ def _sum_groups(t: Tensor, heads: int) -> Tensor:
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                  causal: bool = False) -> tuple[Tensor, Tensor]:
+                  causal: bool = False, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q over one K/V block: (out (b, hq, lq, dv), lse (b, hq, lq)). `causal` (unmasked
-    blocks only): a square block on the diagonal, query i sees keys 0..i."""
+    blocks only): a square block on the diagonal, query i sees keys 0..i. `softcap`: the scores are
+    `softcap * tanh(scores / softcap)`."""
     b, hq, lq, _ = q.shape
     hkv = k.shape[1]
-    if _fused(q, v, mask):
+    if _fused(q, v, mask, softcap):
         groups = hq // hkv
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), _repeat_kv(k, groups).contiguous(), _repeat_kv(v, groups).contiguous(), 0.0, causal,
@@ -98,7 +112,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: f
         return out, lse
     if causal:
         mask = torch.ones(lq, k.shape[2], dtype=torch.bool, device=q.device).tril()[None]
-    s = _scores(q, k, mask, scale)
+    s = _scores(q, k, mask, scale, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
     out = torch.matmul(p.reshape(b, hkv, -1, k.shape[2]), v).view(b, hq, lq, v.shape[-1])
@@ -113,12 +127,32 @@ def merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tup
     return out, new
 
 
-def block_backward(q, k, v, mask, scale, d_out, out, lse, causal: bool = False):
+def with_sink(out: Tensor, lse: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The merged (out, lse) of every block with the sink logits (hq,) in the softmax's denominator: the sink
+    is one more key per row, of score `sink[head]` and value 0 (as one device concatenates it to the scores and
+    drops its column after the softmax). A row that sees no key stays 0."""
+    if sink is None:
+        return out, lse
+    sink = sink.to(lse.dtype)[None, :, None]
+    out = out * torch.sigmoid(lse - sink).to(out.dtype)[..., None]
+    return out, torch.logaddexp(lse, sink)
+
+
+def sink_grad(d_out: Tensor, out: Tensor, lse: Tensor, sink: Tensor | None) -> Tensor | None:
+    """The gradient of the sink logits (hq,) from the final out and lse (`with_sink`'s): the sink column's
+    probability times (its value's 0 - rowsum(d_out * out)), summed over batch and queries."""
+    if sink is None:
+        return None
+    delta = (d_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * delta).sum((0, 2)).to(sink.dtype)
+
+
+def block_backward(q, k, v, mask, scale, d_out, out, lse, causal: bool = False, softcap: float | None = None):
     """Gradients of one block from the final out and lse (recomputed probabilities): (dq, dk, dv)."""
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     g = hq // hkv
-    if _fused(q, v, mask):
+    if _fused(q, v, mask, softcap):
         lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel's own (b, lq, h) storage
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             d_out.contiguous(), q.contiguous(), _repeat_kv(k, g).contiguous(), _repeat_kv(v, g).contiguous(),
@@ -127,12 +161,15 @@ def block_backward(q, k, v, mask, scale, d_out, out, lse, causal: bool = False):
     if causal:
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()[None]
     delta = (d_out * out).sum(-1)
-    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse).view(b, hkv, g, lq)[..., None])
+    s = _scores(q, k, mask, scale, softcap)
+    p = torch.exp(s - _finite(lse).view(b, hkv, g, lq)[..., None])
     p = p.reshape(b, hkv, g * lq, lk)
     d_out_g = d_out.reshape(b, hkv, g * lq, -1)
     dv = torch.matmul(p.transpose(-1, -2), d_out_g)
     dp = torch.matmul(d_out_g, v.transpose(-1, -2))
     ds = p * (dp - delta.reshape(b, hkv, g * lq, 1)) * scale
+    if softcap is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2; 0 at masked entries (-inf), whose p is 0
+        ds = ds * (1 - (s / softcap).square()).clamp_min(0).reshape(b, hkv, g * lq, lk)
     dq = torch.matmul(ds, k).view(b, hq, lq, -1)
     dk = torch.matmul(ds.transpose(-1, -2), q.reshape(b, hkv, g * lq, -1))
     return dq, dk, dv
@@ -180,7 +217,7 @@ class RingAttention(torch.autograd.Function):
     """Exact attention of the local queries over every rank's keys, by a ring of P2P K/V blocks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, vis: Visibility, scale: float):
+    def forward(ctx, q, k, v, sink, ring: Ring, vis: Visibility, scale: float, softcap: float | None = None):
         out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
         lse = q.new_full(q.shape[:-1], _NEG_INF, dtype=torch.float32)  # fp32 for bf16/fp16 q too, as flash kernels keep it
         kv = torch.cat([k, v], -1)
@@ -189,20 +226,22 @@ class RingAttention(torch.autograd.Function):
             if step < ring.parts - 1:
                 incoming, works = C.ring_step(kv, ring.group, ring.rank, ring.parts)
             for rows, cols, mask, causal in _pieces(ring, vis, ring.source(step)):
-                o, l = block_forward(q[:, :, rows], kv[:, :, cols, :dk], kv[:, :, cols, dk:], mask, scale, causal)
+                o, l = block_forward(q[:, :, rows], kv[:, :, cols, :dk], kv[:, :, cols, dk:], mask, scale, causal,
+                                     softcap)
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
             if step < ring.parts - 1:
                 for w in works:
                     w.wait()
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.vis, ctx.scale = ring, vis, scale
+        out, lse = with_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, sink, out, lse)
+        ctx.ring, ctx.vis, ctx.scale, ctx.softcap = ring, vis, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, vis, scale = ctx.ring, ctx.vis, ctx.scale
+        q, k, v, sink, out, lse = ctx.saved_tensors
+        ring, vis, scale, softcap = ctx.ring, ctx.vis, ctx.scale, ctx.softcap
         d_out = d_out.contiguous()
         dq = torch.zeros_like(q)
         kv = torch.cat([k, v], -1)
@@ -214,7 +253,7 @@ class RingAttention(torch.autograd.Function):
                 incoming, works = C.ring_step(kv, ring.group, ring.rank, ring.parts)
             for rows, cols, mask, causal in _pieces(ring, vis, ring.source(step)):
                 gq, gk, gv = block_backward(q[:, :, rows], kv[:, :, cols, :dk_], kv[:, :, cols, dk_:], mask, scale,
-                                            d_out[:, :, rows], out[:, :, rows], lse[:, :, rows], causal)
+                                            d_out[:, :, rows], out[:, :, rows], lse[:, :, rows], causal, softcap)
                 dq[:, :, rows] += gq
                 d_kv[:, :, cols, :dk_] += gk
                 d_kv[:, :, cols, dk_:] += gv
@@ -226,4 +265,25 @@ class RingAttention(torch.autograd.Function):
                 d_kv = d_kv_in
                 if not last:
                     kv = incoming
-        return dq, d_kv[..., :dk_], d_kv[..., dk_:], None, None, None
+        return dq, d_kv[..., :dk_], d_kv[..., dk_:], sink_grad(d_out, out, lse, sink), None, None, None, None
+
+
+class BlockAttention(torch.autograd.Function):
+    """Attention of q over one whole K/V block with the scores' changes (a `softcap`, `sink` logits), on this
+    rank alone (ulysses, allgather and the unsplit decoding steps); as ring's blocks, the backward recomputes
+    the probabilities from the saved log-sum-exp. `mask` (b or 1, lq, lk) or None: every key visible; rows
+    that see no key come out 0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, mask, scale: float, softcap: float | None):
+        out, lse = with_sink(*block_forward(q, k, v, mask, scale, softcap=softcap), sink)
+        ctx.save_for_backward(q, k, v, sink, mask, out, lse)
+        ctx.scale, ctx.softcap = scale, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, sink, mask, out, lse = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        dq, dk, dv = block_backward(q, k, v, mask, ctx.scale, d_out, out, lse, softcap=ctx.softcap)
+        return dq, dk, dv, sink_grad(d_out, out, lse, sink), None, None, None

@@ -431,6 +431,8 @@ class Pipeline:
                 self._carry_specs[shapes] = self._probe(input_ids, inputs)
             self._carry["spec"] = self._carry_specs[shapes]
         else:
+            if len(self.stages) > 1 and shapes not in self._carry_specs:   # the dry run's checks of the cuts
+                self._carry_specs[shapes] = self._probe(input_ids, inputs)
             self._carry.pop("spec", None)   # every stage here: the first stage's forward sets it
         return self._schedule(shapes, train)
 
@@ -442,31 +444,42 @@ class Pipeline:
         its model's loop cannot take, a carried input it cannot use) fails on its own rank while the others
         wait for its activations, and they see a timeout instead of its error. Here every rank is inside the
         same broadcast when a stage fails, so every rank raises that stage's error, naming it (API §11).
+        The dry run also compares, at each cut, the per-token inputs the loop hands the layer there on both
+        sides (`cut.cut_inputs_problem`): a stage that recomputes them otherwise (from placeholders of the
+        first stage's modules) would run without an error and give a wrong result, so it is refused.
         Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
         micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
         views = {s.index: view for view, s in zip(self.stages, self.specs)}
         n_stages = self.specs[0].n_stages
         style = SCHEDULES[self.schedule_name][1]
         self._carry.pop("spec", None)
-        spec, received = None, (micro["input_ids"],)
+        spec, received, exits = None, (micro["input_ids"],), None
         for index in range(n_stages):
             owner = stage_rank(index, self.pp, style)
             result = None
             if index in views:
+                state = views[index].__dict__["_hp_stage"]
+                state.recording, state.exit_inputs, state.entry_inputs = True, None, None
                 try:
                     with torch.no_grad():
                         out = views[index](*received, **micro)
                     if index == 0:
                         spec = self._carry["spec"]
-                    result = ("ok", spec, None if index == n_stages - 1 else tuple(out))
+                    problem = None if index == 0 else cut.cut_inputs_problem(exits, state.entry_inputs,
+                                                                             type(self.model).__name__, index)
+                    result = ("error", problem, index) if problem else \
+                        ("ok", spec, None if index == n_stages - 1 else tuple(out), state.exit_inputs)
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
-                    result = ("error", f"{type(e).__name__}: {e}", index)
+                    result = ("error", _stage_failure(type(self.model).__name__, index, e), index)
+                finally:
+                    state.recording, state.exit_inputs, state.entry_inputs = False, None, None
             result = self._share(result, index, owner)
             if result[0] == "error":
                 self._carry.pop("spec", None)
                 raise ValueError(f"pipeline: stage {result[2]} (on pp rank {owner}) refused this micro-batch: "
                                  f"{result[1]}")
-            _, spec, received = result
+            spec, received = result[1], result[2]
+            exits = result[3] if len(result) > 3 else None   # hp.plan's stand-ins send none
             self._carry["spec"] = spec
         return spec
 
@@ -474,6 +487,8 @@ class Pipeline:
         """The probe's result for stage `index`, from its owner (a broadcast over the pp group)."""
         if self.stand_ins is not None:
             return self.stand_ins.share(result, index, owner == self.mesh.get_local_rank(self.axis))
+        if self.pp == 1:   # every stage on this rank
+            return result
         return collectives.broadcast_object(result, dist.get_global_rank(self.group, owner), self.group)
 
     def _schedule(self, batch_shape: tuple, train: bool):
@@ -529,6 +544,28 @@ def _positions_per_row(input_ids, inputs: dict) -> dict:
             and positions.ndim == 2 and positions.shape[0] == 1 and input_ids.shape[0] > 1):
         inputs = {**inputs, "position_ids": positions.expand(input_ids.shape[0], -1)}
     return inputs
+
+
+def _stage_failure(model_name: str, index: int, error: Exception) -> str:
+    """Why stage `index` failed in the probe, said as a refusal: the pipeline's own errors as they are, the
+    model code's (a TypeError, an IndexError, a size mismatch) with what the cut did to that code.
+
+    A later stage runs the model's own forward from the hidden state it receives, with placeholders for the
+    first stage's modules and without the inputs only the first stage takes (pixel values, encoder inputs);
+    the first stage runs it with stand-ins for the later stages' layers. A forward that needs more than that
+    there (an encoder's inputs on every stage, a loop that reads the next layer's submodules) cannot be cut
+    this way, which is said rather than the bare error of the line that failed."""
+    text = f"{type(error).__name__}: {error}"
+    if str(error).startswith("pipeline:"):
+        return text
+    if index == 0:
+        return (f"{model_name}'s forward fails on the first stage ({text}): the stage cutter runs it with stand-ins "
+                f"for the later stages' decoder layers, which this model's code cannot take; use dp/tp for this "
+                f"model")
+    return (f"{model_name}'s forward fails on stage {index} ({text}): a later stage runs the model's own forward "
+            f"from the hidden state it receives, with placeholders for the first stage's modules and without the "
+            f"inputs only the first stage takes (pixel values, encoder inputs), which this model's code needs "
+            f"there; use dp/tp for this model")
 
 
 def _is_communication_failure(error: RuntimeError) -> bool:

@@ -1,11 +1,15 @@
 """Cutting a Hugging Face model with a decoder into pipeline stages that run the model's own code.
 
 Found by structure, not by class name (`find_structure`): the decoder stack is `model.get_decoder()` (the
-language model of a multimodal model), its decoder layers the longest nn.ModuleList of blocks of one
-class under it. Walking from the root down to the module holding that list, every other child goes to
-the first stage or the last: in the holder, what is registered before the list (embeddings) to the
-first, what after it (the final norm) to the last; in the modules between (a multimodal model) the towers
-and projectors to the first; at the root, the output head and what follows the base model to the last.
+language model of a multimodal model; the base model where it names the head), its decoder layers the
+nn.ModuleList of blocks its forward names, the longest of one class where it names several or none (a list
+inside a tower under it is not the decoder's). Walking from the root down to the module holding that list, every other child goes to
+the first stage or the last by where the module holding it names it in its forward (`_self_references`):
+before the list (or, above the holder, before the last call of the module on the path) to the first,
+after it to the last. A child the forward does not name goes by registration order: in the holder, what
+is registered before the list (embeddings) to the first, what after it (the final norm) to the last; in
+the modules between (a multimodal model) the towers and projectors to the first; at the root, the output
+head and what follows the base model to the last.
 Modules without parameters (rotary embeddings) stay on every stage.
 
 A stage is a *view* of the model: shallow copies of the modules on that path and of the layer list, in
@@ -26,9 +30,11 @@ mask, position ids given by the caller) need no carrying.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
-
+import functools
 import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -87,6 +93,41 @@ def _layer_lists(root: nn.Module, prefix: str) -> list[tuple[str, nn.ModuleList]
 _FINAL_NORMS = frozenset({"norm", "ln_f", "norm_f", "final_layer_norm", "final_layernorm", "final_norm"})
 
 
+def _function_ast(fn) -> ast.AST | None:
+    """The parsed body of `fn` (decorators unwrapped), or None where its source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+        return ast.parse(source)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _self_references(cls: type, method: str = "forward", depth: int = 3) -> tuple[str, ...] | None:
+    """The attributes `self.X` that `cls.method` names, every mention in the order of its source, where a call
+    of another method of the class (`self.get_per_layer_inputs(...)`) stands for the attributes that method
+    names (`depth` levels deep). None where the source cannot be read.
+
+    Why: where a child module runs (before or after the layer list) is what places it on the first or the
+    last stage, and the forward's own text says that better than the order the children were registered in
+    (Gemma 3n/4 register their per-layer input embeddings after the final norm, Kosmos-2 its vision tower
+    after the text model, PP-FormulaNet the embeddings' norm after the layers)."""
+    fn = getattr(cls, method, None)
+    tree = _function_ast(fn) if callable(fn) else None
+    if tree is None:
+        return None
+    nodes = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                    and n.value.id == "self"), key=lambda n: (n.lineno, n.col_offset))
+    out: list[str] = []
+    for node in nodes:
+        name = node.attr
+        member = inspect.getattr_static(cls, name, None)
+        if depth > 0 and name != method and inspect.isfunction(member) and name not in dir(nn.Module):
+            out += _self_references(cls, name, depth - 1) or ()
+        out.append(name)
+    return tuple(out)
+
+
 def find_structure(model: nn.Module) -> Structure:
     """The decoder layers of `model` and the placement of everything else; a ValueError saying why not."""
     name = type(model).__name__
@@ -102,6 +143,17 @@ def find_structure(model: nn.Module) -> Structure:
                          f"decoder stack (the language model) to find its layer list")
     decoder_path = paths[id(decoder)]
     lists = _layer_lists(decoder, decoder_path)
+    base = getattr(model, "base_model", None)
+    if not lists and isinstance(base, nn.Module) and base is not model and id(base) in paths:
+        # get_decoder() naming the head (ModernBERT-decoder calls its output projection `decoder`): the base model
+        decoder, decoder_path = base, paths[id(base)]
+        lists = _layer_lists(decoder, decoder_path)
+    # a list the decoder's own forward names is its layer list: not a longer one inside a tower under it
+    # (Evolla's protein encoder's resampler layers)
+    named = set(_self_references(type(decoder)) or ())
+    own = [(path, m) for path, m in lists if path.rpartition(".")[0] == decoder_path and
+           path.rpartition(".")[2] in named]
+    lists = own or lists
     if not lists:
         raise ValueError(f"pipeline: {name}'s decoder {type(decoder).__name__} holds no nn.ModuleList of decoder "
                          f"layers; the stage cutter cuts along such a list")
@@ -120,6 +172,13 @@ def find_structure(model: nn.Module) -> Structure:
     for depth, holder in enumerate(chain):
         module = _get(model, holder)
         on_path = layers_name if depth == len(chain) - 1 else chain[depth + 1].rsplit(".", 1)[-1]
+        # the holder's forward names its children before or after the one on the path: that places them;
+        # a child it does not name (called by another module's code) goes by registration order
+        # (before its *last* mention: a multimodal model takes the language model's embeddings before its towers)
+        named = _self_references(type(module)) or ()
+        mentions = [i for i, n in enumerate(named) if n == on_path]
+        named_before = set(named[:mentions[-1]]) if mentions else set()
+        named_after = set(named[mentions[-1] + 1:]) if mentions else set()
         seen_path = False
         for child_name, child in module._modules.items():
             if child_name == on_path:
@@ -129,7 +188,13 @@ def find_structure(model: nn.Module) -> Structure:
                 continue  # rotary embeddings, dropout: kept on every stage
             path = _join(holder, child_name)
             final_norm = depth == len(chain) - 1 and child_name in _FINAL_NORMS
-            if child is head or final_norm or depth == len(chain) - 1 and seen_path or depth == 0 and seen_path:
+            if child is head:
+                last.append(path)
+            elif child_name in named_before:
+                first.append(path)
+            elif child_name in named_after:
+                last.append(path)
+            elif final_norm or depth == len(chain) - 1 and seen_path or depth == 0 and seen_path:
                 last.append(path)
             else:
                 first.append(path)
@@ -392,6 +457,9 @@ class StageState:
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
     first_layer_shapes: dict = field(default_factory=dict)   # the first layer's inputs: name -> shape (None: none)
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
+    recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
+    exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
+    entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -452,10 +520,28 @@ def _decoder_hook(state: StageState):
         if state.capture is not None:
             state.capture.update(named_inputs(module, args, kwargs))
         if state.inject:
-            kwargs = {**kwargs, **state.inject}
-            return args, kwargs
+            inject = dict(state.inject)
+            # what the caller hands positionally (CPM-Ant passes return_dict so) is replaced in place: a keyword
+            # of the same name would be given twice
+            names = _positional_names(module.forward, len(args))
+            args = tuple(inject.pop(n) if n in inject else a for n, a in zip(names, args)) + tuple(args[len(names):])
+            return args, {**kwargs, **inject}
         return None
     return hook
+
+
+def _positional_names(forward, n: int) -> list[str]:
+    """The names of `forward`'s first `n` positional parameters (fewer where it takes *args)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for p in params[:n]:
+        if p.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            break
+        out.append(p.name)
+    return out
 
 
 def _output_form_hook(state: StageState):
@@ -495,6 +581,8 @@ def _entry_hook(state: StageState):
         hidden, state.pending = state.pending, None
         if hidden is None:
             return None
+        if state.recording:
+            state.entry_inputs = per_token_inputs(_layer_inputs(args, kwargs), hidden)
         if args:
             return (hidden,) + tuple(args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
@@ -613,6 +701,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     finally:
         captured, state.capture, state.inject, state.pending = state.capture, None, None, None
         layer_kwargs, state.layer_kwargs = state.layer_kwargs, None
+    if state.recording and hidden is not None:
+        state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
     if spec.last:
         logits = getattr(out, "logits", None)
         if logits is None:
@@ -629,6 +719,39 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     else:
         pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:]]
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
+
+
+def per_token_inputs(layer_inputs: dict, hidden: torch.Tensor | None) -> dict:
+    """The floating (batch, sequence, ...) tensors among what the loop hands a layer besides the hidden state
+    (this rank's local pieces, detached): per-layer input embeddings, a second residual stream."""
+    if hidden is None:
+        return {}
+    lead = tuple(hidden.shape[:2])
+    return {name: _leave(v).detach() for name, v in layer_inputs.items()
+            if isinstance(v, torch.Tensor) and v is not hidden and v.is_floating_point() and v.ndim >= 2
+            and tuple(v.shape[:2]) == lead}
+
+
+def cut_inputs_problem(exit_inputs: dict | None, entry_inputs: dict | None, model_name: str, index: int) -> str | None:
+    """Why the per-token inputs the loop hands stage `index`'s first layer on that stage differ from what it
+    handed the same layer on the stage before (`exit_inputs`, the whole model's values): computed there from
+    modules or inputs of the first stage (Gemma 4's per-layer input embeddings projected from the token
+    embeddings), they would reach the layer as placeholders' values, a wrong result no error would show.
+    None when they agree (recomputed alike: positions, masks) or cannot be compared (meta tensors)."""
+    if exit_inputs is None or entry_inputs is None:
+        return None
+    for name, want in exit_inputs.items():
+        got = entry_inputs.get(name)
+        if want.is_meta or got is not None and got.is_meta:
+            continue
+        if (got is None or got.shape != want.shape or got.dtype != want.dtype
+                or not torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-6)):
+            return (f"pipeline: the decoder loop of {model_name} hands the layers {name!r} (per token, "
+                    f"{tuple(want.shape)}), which stage {index} computes otherwise than the stage before it (from "
+                    f"modules or inputs only the first stage has: per-layer input embeddings, a second residual "
+                    f"stream); the stages hand each other the hidden state only, so stage {index}'s layers would "
+                    f"get wrong values: use dp/tp for this model")
+    return None
 
 
 def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
