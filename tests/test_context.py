@@ -270,13 +270,14 @@ def _refuses_what_it_would_split_wrong(rank, world):
     """Models whose sequence is mixed by something other than the context-parallel attention are refused on
     every rank, never run wrong: a recurrent scan that layer_types does not name (RWKV: after the forward,
     before its output is returned), an `s_aux` that is not one sink logit per query head (GPT-OSS's made a bias
-    per head and key: before any communication), chunked attention (Llama 4) and encoder-decoder models (whose
-    decoder inputs are the shifted labels), the last two decided at the call."""
+    per head and key: before any communication), chunked attention (Llama 4), encoder-decoder models (whose
+    decoder inputs are the shifted labels) and DeepSeek-V3.2's indexed sparse attention, the last three decided at
+    the call."""
     from hyper_parallel.tools.auto_models import build_model_type
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     said = []
     for model_type, at_call in (("rwkv", False), ("gpt_oss", False), ("llama4_text", True),
-                                ("vision-encoder-decoder", True)):
+                                ("vision-encoder-decoder", True), ("deepseek_v32", True)):
         case = build_model_type(model_type)
         if model_type == "gpt_oss":
             for layer in case.model.model.layers:
@@ -296,8 +297,8 @@ def _refuses_what_it_would_split_wrong(rank, world):
 def test_models_it_would_split_wrong_are_refused_on_every_rank(dist2):
     said = dist2.run(_refuses_what_it_would_split_wrong)
     assert said[0] == said[1], said
-    scan, sinks, chunked, encoder_decoder = said[0]
-    assert "is an encoder-decoder model" in encoder_decoder, said[0]
+    scan, sinks, chunked, encoder_decoder, sparse = said[0]
+    assert "is an encoder-decoder model" in encoder_decoder and "sparse attention" in sparse, said[0]
     assert "none of its layers attended" in scan and "s_aux of shape (4, 8)" in sinks, said[0]
     assert "attention_chunk_size" in chunked, said[0]
 
