@@ -271,15 +271,16 @@ def _refuses_what_it_would_split_wrong(rank, world):
     every rank, never run wrong: a recurrent scan that layer_types does not name (RWKV, whose "attention" is
     code of its own), an `s_aux` that is not one sink logit per query head (GPT-OSS's made a bias per head and
     key: in its first attention, before any communication), chunked attention (Llama 4), encoder-decoder models
-    (whose decoder inputs are the shifted labels), attention code of its own (Bloom), a bias in a 4-D mask of
-    its own (Doge's dynamic mask), cross-attention through the interface (IDEFICS) and positions derived from
-    the token ids (Kosmos-2.5); all but GPT-OSS at the call, before any collective, the model left as it was."""
+    (whose decoder inputs are the shifted labels), DeepSeek-V3.2's indexed sparse attention, attention code of
+    its own (Bloom), a bias in a 4-D mask of its own (Doge's dynamic mask), cross-attention through the
+    interface (IDEFICS) and positions derived from the token ids (Kosmos-2.5); all but GPT-OSS at the call,
+    before any collective, the model left as it was."""
     from hyper_parallel.tools.auto_models import build_model_type
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     said = []
     for model_type, at_call in (("rwkv", True), ("gpt_oss", False), ("llama4_text", True),
-                                ("vision-encoder-decoder", True), ("bloom", True), ("doge", True),
-                                ("idefics", True), ("kosmos-2.5", True)):
+                                ("vision-encoder-decoder", True), ("deepseek_v32", True), ("bloom", True),
+                                ("doge", True), ("idefics", True), ("kosmos-2.5", True)):
         case = build_model_type(model_type)
         if model_type == "gpt_oss":
             for layer in case.model.model.layers:
@@ -304,8 +305,8 @@ def _refuses_what_it_would_split_wrong(rank, world):
 def test_models_it_would_split_wrong_are_refused_on_every_rank(dist2):
     said = dist2.run(_refuses_what_it_would_split_wrong)
     assert said[0] == said[1], said
-    scan, sinks, chunked, encoder_decoder, bloom, doge, idefics, kosmos = said[0]
-    assert "is an encoder-decoder model" in encoder_decoder, said[0]
+    scan, sinks, chunked, encoder_decoder, sparse, bloom, doge, idefics, kosmos = said[0]
+    assert "is an encoder-decoder model" in encoder_decoder and "sparse attention" in sparse, said[0]
     assert "RwkvSelfAttention (blocks.0.attention) computes attention with code of its own" in scan, scan
     assert "s_aux of shape (4, 8)" in sinks and "attention_chunk_size" in chunked, said[0]
     assert "BloomAttention (h.0.self_attention) computes attention with code of its own" in bloom, bloom

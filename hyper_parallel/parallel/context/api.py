@@ -57,6 +57,11 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
                          f"(config.is_encoder_decoder): its decoder inputs are the labels shifted right and its "
                          f"cross-attention reads the encoder's sequence, neither of which the sequence split keeps "
                          f"exact; run this model without context parallelism (dp, tp or hsdp)")
+    sparse = sorted({t for t in getattr(config, "layer_types", None) or () if t in _SPARSE_ATTENTION})
+    if sparse:   # DeepSeek-V3.2's indexer picks the keys each query sees, from a 4-D mask of the whole sequence
+        raise ValueError(f"context_parallel: the config's layer_types include {sparse} (sparse attention: an indexer "
+                         f"selects the keys each query attends to), which the context-parallel attention does not "
+                         f"compute; run this model without context parallelism")
     if getattr(config, "attention_chunk_size", None):   # Llama 4: the mask builder's chunks, not a window
         raise ValueError(f"context_parallel: attention_chunk_size={config.attention_chunk_size} (chunked "
                          f"attention) is not supported; run this model without context parallelism")
@@ -92,6 +97,10 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     record_applied(model, f"cp: sequence split over {axis!r}{where} ({settings.parts} ranks, {method}, "
                           f"rank i holds chunks i and {2 * settings.parts - 1}-i{whole})")
     return model
+
+
+# layer kinds whose attention selects or compresses keys (DeepSeek-V3.2 / V4, GLM-5 DSA): refused at the call
+_SPARSE_ATTENTION = ("indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def _check_heads_divide(config, mesh: DeviceMesh, settings: ContextSettings) -> None:

@@ -32,7 +32,7 @@ from .zigzag import token_index
 METHODS = ("ring", "ulysses", "allgather")
 # attention keywords some models pass that change the math the context-parallel kernels do (refused, never dropped);
 # `s_aux` is taken where it is one sink logit per query head (`_check_sink`)
-MATH_KWARGS = ("sinks", "position_bias", "attn_bias", "alibi", "attention_bias")
+MATH_KWARGS = ("sinks", "position_bias", "attn_bias", "alibi", "attention_bias", "sparse_indices")
 
 
 @dataclass
