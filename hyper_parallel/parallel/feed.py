@@ -137,10 +137,15 @@ def _generating(generate):
 
 def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's inputs by the names of the module's forward (positional ones too)."""
-    names = _positional_names(type(module).forward) if args else ()
-    out = dict(zip(names[1:] if names and names[0] == "self" else names, args))
+    out = dict(zip(positional_names(module), args)) if args else {}
     out.update(kwargs)
     return out
+
+
+def positional_names(module: nn.Module) -> tuple:
+    """The names the module's forward gives its positional arguments, in order (`self` left out)."""
+    names = _positional_names(type(module).forward)
+    return names[1:] if names and names[0] == "self" else names
 
 
 _NAMES: dict = {}

@@ -68,11 +68,12 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     language = language_model_of(model)
     if language is not None:
         check_language_model(language)  # before anything changes: a refusal leaves the model as it was
+    decoder = language if language is not None else model.base_model   # the modules that get the split sequence
     # layers that mix the sequence by a scan (linear attention, state-space, short convolutions) run whole
-    scans = scan_layers(language or model.base_model, config) if scan_layer_types(config) else []
+    scans = scan_layers(decoder, config) if scan_layer_types(config) else []
     # attention code of its own (Bloom, GPT-Neo, ...), a bias in its own 4-D mask, cross-attention, positions from
     # ids: wrong on a split sequence (a scan layer runs whole, whatever it holds; an axis of size 1 splits nothing)
-    problem = own_attention_problem(language if language is not None else model.base_model, config, scans)
+    problem = own_attention_problem(decoder, config, scans)
     if problem and settings.parts > 1:
         raise ValueError(f"context_parallel: {type(model).__name__}: {problem}; run this model without context "
                          "parallelism")
@@ -210,8 +211,6 @@ def holds_tokens(cache) -> bool:
     """Has the KV cache seen tokens already? (A cache of scan layers only, Mamba's, has no sequence length to
     ask: its layers say whether they hold a state, a convolution's or a recurrence's.)"""
     from transformers.cache_utils import CacheLayerMixin
-    if any(isinstance(state, Tensor) for state in getattr(cache, "linear_cache", ())):   # MiniMaxCache's scan states
-        return True
     layers = getattr(cache, "layers", ())
     if layers and not any(isinstance(layer, CacheLayerMixin) for layer in layers):
         return any(any(getattr(layer, flag, {}).values()) for layer in layers
@@ -239,10 +238,12 @@ _SCAN_CACHE_LAYERS = ("LinearAttentionLayer", "LinearAttentionAndFullAttentionLa
 def cache_problem(cache) -> str | None:
     """Why context parallelism cannot fill or decode over this KV cache, or None: it fills transformers'
     DynamicCache (generate's default) through its layers' own `update`, which a full or sliding-window layer
-    makes as on one device (and a linear-attention layer's states, its layer run whole); a static or quantized cache, or layers of another kind, are refused."""
+    makes as on one device (and a linear-attention layer's states, its layer run whole); a static or quantized
+    cache, or layers of another kind, are refused."""
     from transformers import cache_utils as cu
-    DynamicCache, DynamicLayer, DynamicSlidingWindowLayer = cu.DynamicCache, cu.DynamicLayer, cu.DynamicSlidingWindowLayer
-    kinds = (DynamicLayer, DynamicSlidingWindowLayer) + tuple(getattr(cu, n) for n in _SCAN_CACHE_LAYERS if hasattr(cu, n))
+    DynamicCache = cu.DynamicCache
+    kinds = (cu.DynamicLayer, cu.DynamicSlidingWindowLayer) + tuple(getattr(cu, n) for n in _SCAN_CACHE_LAYERS
+                                                                     if hasattr(cu, n))
     layers = {type(layer).__name__ for layer in getattr(cache, "layers", ()) if type(layer) not in kinds}
     if isinstance(cache, DynamicCache) and type(cache).update is DynamicCache.update and not layers \
             and getattr(cache, "layer_class_to_replicate", None) in (None,) + kinds:
@@ -250,7 +251,8 @@ def cache_problem(cache) -> str | None:
     what = type(cache).__name__ + (f" with {sorted(layers)} layers" if layers and isinstance(cache, DynamicCache) else "")
     return (f"context_parallel: a KV cache of type {what} is not supported: the prompt forward fills "
             "transformers' DynamicCache (generate's default, cache_implementation='dynamic') with full, "
-            "sliding-window or linear-attention layers only; generate with that cache, or with the model before context_parallel")
+            "sliding-window or linear-attention layers only; generate with that cache, or with the model before "
+            "context_parallel")
 
 
 def _marks_bidirectional_tokens(token_types) -> bool:
@@ -325,8 +327,7 @@ def whole_in_plain_order(settings: ContextSettings, t: DTensor, dim: int) -> DTe
     tensor_map = list(layout.tensor_map)
     tensor_map[dim] = ()
     whole = t.redistribute(layout.with_map(tensor_map, layout.partial))  # the zigzag order
-    zigzag = torch.cat(settings.ring(t.shape[dim], "cpu").index)
-    return whole.index_select(dim, torch.argsort(zigzag).to(t.to_local().device))
+    return whole.index_select(dim, settings.plain_order_index(t.shape[dim], t.to_local().device))
 
 
 def _padding_mask(settings: ContextSettings, mask: Tensor):

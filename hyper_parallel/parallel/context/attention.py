@@ -70,6 +70,10 @@ class ContextSettings:
         return Ring(self.group, self.rank, self.parts,
                     tuple(token_index(r, self.parts, chunk, device) for r in range(self.parts)))
 
+    def plain_order_index(self, seq_len: int, device) -> Tensor:
+        """The index that takes a whole sequence in the zigzag order back to the plain one (`index_select`)."""
+        return torch.argsort(torch.cat(self.ring(seq_len, "cpu").index)).to(device)
+
 
 def register_attention(settings: ContextSettings) -> str:
     """Register this model's context-parallel attention with transformers; returns the name to configure."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import Tensor, nn
 
 from ...dtensor import DTensor
@@ -110,13 +109,8 @@ def _whole_mask(settings: ContextSettings, name: str, mask, seq_len: int):
             raise ValueError(f"context_parallel: a scan layer got a {name} of shape {tuple(mask.shape)}; only a "
                              f"2D padding mask (batch, {seq_len}) can be put back in the plain order")
         return mask
-    return mask.index_select(1, _plain_order_index(settings, seq_len, mask))
-
-
-def _plain_order_index(settings: ContextSettings, seq_len: int, like: Tensor) -> Tensor:
-    zigzag = torch.cat(settings.ring(seq_len, "cpu").index)
-    device = like.to_local().device if isinstance(like, DTensor) else like.device
-    return torch.argsort(zigzag).to(device)
+    device = mask.to_local().device if isinstance(mask, DTensor) else mask.device
+    return mask.index_select(1, settings.plain_order_index(seq_len, device))
 
 
 def _split_again(settings: ContextSettings, out, seq_len: int):

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ...dtensor.dtensor import DTensor
-from ..feed import feed_of, named_inputs
+from ..feed import feed_of, named_inputs, positional_names
 from ..surgery import embeddings
 from .tie import tied_names
 
@@ -523,25 +523,11 @@ def _decoder_hook(state: StageState):
             inject = dict(state.inject)
             # what the caller hands positionally (CPM-Ant passes return_dict so) is replaced in place: a keyword
             # of the same name would be given twice
-            names = _positional_names(module.forward, len(args))
+            names = positional_names(module)[:len(args)]
             args = tuple(inject.pop(n) if n in inject else a for n, a in zip(names, args)) + tuple(args[len(names):])
             return args, {**kwargs, **inject}
         return None
     return hook
-
-
-def _positional_names(forward, n: int) -> list[str]:
-    """The names of `forward`'s first `n` positional parameters (fewer where it takes *args)."""
-    try:
-        params = list(inspect.signature(forward).parameters.values())
-    except (TypeError, ValueError):
-        return []
-    out = []
-    for p in params[:n]:
-        if p.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-            break
-        out.append(p.name)
-    return out
 
 
 def _output_form_hook(state: StageState):
