@@ -9,9 +9,10 @@
 - cp N: `context_parallel(model, mesh, "cp")`: the sequence split by the model's own hook (the tiny inputs padded
   to a multiple of 2N tokens, mask 0 and labels -100, for both runs: on the left in generate mode, as prompts
   are); generate mode compares the generated tokens (the prompt forward split, the decoding steps whole);
-  types without a decoder are "not applicable".
+  types without a decoder, and encoder-decoder types, are "not applicable".
 - pp N: `pipeline(model, mesh, "pp")`: one training step through the stages (1F1B, 2 micro-batches), loss
-  and every rank's gradients compared with the plain step; types without a decoder are "not applicable".
+  and every rank's gradients compared with the plain step; types without a decoder, and encoder-decoder
+  types (as the seq2seq-lm head's), are "not applicable".
 """
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ class Scenario:
             experts = _find_experts(case.model)
             if not experts:
                 return "dense model: no MoE experts module (stacked expert weights routed by the model)"
+        if self.name in ("cp", "pp") and getattr(getattr(case.model, "config", None), "is_encoder_decoder", False):
+            # counted as the seq2seq-lm head's types are: both parallelisms refuse such a model at the call
+            return (f"encoder-decoder model (config.is_encoder_decoder), not applicable as seq2seq-lm types: "
+                    f"{'context' if self.name == 'cp' else 'pipeline'} parallel works on a decoder-only model")
         return None if self.name == "ep" else not_applicable_before_building(self.name, "", case.head)
 
     def modes(self, modes: tuple) -> tuple:

@@ -343,11 +343,12 @@ _SCENARIO_ABOUT = {
           "(experts spread, the batch split); dense types are named at the end as not applicable.",
     "cp": " With `--cp N` each type runs on N gloo processes through `context_parallel(model, mesh, \"cp\")` (ring "
           "attention, the sequence split; prompts left-padded in generate mode, whose prompt forward is split and "
-          "whose decoding steps run whole); types without a decoder "
-          "are named at the end as not applicable.",
+          "whose decoding steps run whole); types without a decoder, and encoder-decoder types (as the "
+          "seq2seq-lm head's), are named at the end as not applicable.",
     "pp": " With `--pp N` each type runs one training step through `pipeline(model, mesh, \"pp\")` (1F1B, 2 "
           "micro-batches) on N gloo processes; the loss and every stage's gradients are compared with the plain "
-          "step; types without a decoder are named at the end as not applicable.",
+          "step; types without a decoder, and encoder-decoder types (as the seq2seq-lm head's), are named at the "
+          "end as not applicable.",
 }
 
 
