@@ -266,6 +266,45 @@ def test_block_merge_with_sinks_and_softcap_matches_eager(batch, heads, lq, caus
         assert torch.allclose(got, exp, atol=1e-9)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 2), st.integers(2, 12), st.sampled_from([None, 2, 4]), st.booleans(), st.booleans(), st.data())
+def test_index_masks_of_the_mask_builders_match_their_own_mask_in_any_order(batch, seq, window, prefix, padded,
+                                                                              data):
+    """The mask functions transformers' builders make for image / prefix blocks (`block_sequence_ids`: Gemma 3's
+    image runs, PaliGemma's prefix), on causal or sliding-window masks, evaluated per block on the original token
+    indices of a random held order with random key blocks (`IndexMask`, ring's blocks): the merged attention and
+    ring's block backward equal eager attention under the builder's own 4-D mask (`sdpa_mask`) in the plain
+    order."""
+    from transformers import masking_utils as mu
+    from hyper_parallel.parallel.context.ring import IndexMask
+    torch.manual_seed(data.draw(st.integers(0, 10_000)))
+    kinds = torch.randint(0, 2, (batch, seq)) if not prefix else (torch.arange(seq) < data.draw(
+        st.integers(0, seq))).long().expand(batch, seq)
+    blocks = mu.maybe_pad_block_sequence_ids(
+        torch.where(kinds == 1, 0, -1) if prefix else
+        torch.where(kinds == 1, torch.cumsum(kinds * (1 - torch.nn.functional.pad(kinds, (1, 0))[:, :-1]), 1) - 1, -1),
+        None, seq, 0)
+    base = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    function = mu.or_masks(base, mu.blockwise_overlay(blocks))
+    key_ok = (torch.rand(batch, seq) > 0.3) if padded else None
+    if key_ok is not None:
+        key_ok[:, 0] = True
+    want_mask = mu.sdpa_mask(batch_size=batch, q_length=seq, kv_length=seq, mask_function=function,
+                             attention_mask=key_ok, allow_is_causal_skip=False)[:, 0]
+    order = torch.randperm(seq)   # the held order: position i holds original token order[i]
+    q, k, v = (torch.randn(batch, 2, seq, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    vis = Visibility(True, window, None if key_ok is None else key_ok[:, order], IndexMask(function, batch))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, seq - 1), max_size=3))))
+    d_out = torch.randn(batch, 2, seq, 8, dtype=torch.float64)
+    out, _, grads = _blockwise(q, k, v, vis, order, order, [0] + cuts + [seq], 0.3, d_out)
+    assert torch.equal(vis.mask(order, order, slice(None)), want_mask[:, order][:, :, order])
+    plain = torch.argsort(order)   # held -> plain
+    want = _eager(q[:, :, plain], k[:, :, plain], v[:, :, plain], want_mask, 0.3)[:, :, order]
+    assert torch.allclose(out, want, atol=1e-10)
+    for got, exp in zip(grads, torch.autograd.grad(want, (q, k, v), d_out)):
+        assert torch.allclose(got, exp, atol=1e-9)
+
+
 def _refuses_what_it_would_split_wrong(rank, world):
     """Models whose sequence is mixed by something other than the context-parallel attention are refused on
     every rank, never run wrong: a recurrent scan that layer_types does not name (RWKV, whose "attention" is

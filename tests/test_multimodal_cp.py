@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_multimodal_pp_ep import IMAGE, build, check, expert_step, reference
+from tests.test_multimodal_pp_ep import IMAGE, _untie, build, check, expert_step, reference
 
 
 
@@ -141,8 +141,6 @@ def _refusals(rank, world):
     batch, seq = labels.shape
     with pytest.raises(hp.FeedError, match=r"position_ids of shape \(3, 4, 12\) do not match"):
         model(**inputs, labels=labels, position_ids=torch.zeros(3, batch, seq - 4, dtype=torch.long))
-    with pytest.raises(hp.FeedError, match="token_type_ids mark image / prefix tokens"):
-        model(**inputs, labels=labels, token_type_ids=(inputs["input_ids"] == IMAGE).long())  # Gemma3's form
     model.eval()
     _, inputs, _ = build("qwen3_vl", layers=1)
     with pytest.raises(hp.FeedError, match="14 must be a multiple of 2 x 'cp' size = 4.*left-pad the prompts") as e:
@@ -168,3 +166,49 @@ def _pipeline_refusal(rank, world):
 def test_cp_inside_pipeline_stages_of_a_multimodal_model_refused(dist4):
     """Later stages never call the language model, where the split is made: refused up front on every rank."""
     dist4.run(_pipeline_refusal)
+
+
+def _bidirectional_blocks(rank, world, model_type, methods):
+    """Worker: a model whose mask builders make image / prefix tokens see each other both ways (Gemma 3's image
+    blocks, PaliGemma's prefix: `block_sequence_ids`), the census's tiny build and inputs: a training step under
+    every method (the loss and every gradient) and greedy generate under ring (prompts left-padded) equal one
+    process, with the mask builders' own mask function evaluated per block on original token indices."""
+    import copy
+    import torch
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import build_model_type
+    from hyper_parallel.tools.model_inputs import pad_tokens
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    case = build_model_type(model_type)
+    base = _untie(case.model.float()).train()
+    labels = torch.where(case.inputs["token_type_ids"] == 0, case.inputs["input_ids"], -100)
+    inputs, labels = pad_tokens(dict(case.inputs), labels, _pad(world))
+    ref = copy.deepcopy(base)
+    want = ref(**inputs, labels=labels)
+    want.loss.backward()
+    want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    for method in methods:
+        model = hp.context_parallel(copy.deepcopy(base), mesh, "cp", method)
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        assert abs(hp.DTensor.full_tensor(loss).item() - want.loss.item()) < 1e-5, (model_type, method)
+        for name, param in model.named_parameters():
+            if name in want_grads:
+                want_grad = want_grads[name]   # gradients of up to ~1e7 here (Gemma's scaled embeddings): 1e-5 of it
+                torch.testing.assert_close(hp.DTensor.full_tensor(param.grad), want_grad, rtol=0,
+                                           atol=1e-5 * max(1.0, want_grad.abs().max().item()),
+                                           msg=lambda m: f"{model_type}/{method} {name}: {m}")
+    prompts, _ = pad_tokens(dict(case.inputs), labels[:, :case.inputs["input_ids"].shape[1]], _pad(world), left=True)
+    ref.eval()
+    model = hp.context_parallel(copy.deepcopy(ref), mesh, "cp", "ring").eval()
+    with torch.no_grad():
+        expected = ref.generate(**prompts, max_new_tokens=3, do_sample=False)
+        got = model.generate(**prompts, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, expected), (model_type, got, expected)
+    return True
+
+
+@pytest.mark.parametrize("model_type,methods", [("gemma3", ("ring", "ulysses", "allgather")),
+                                               ("paligemma", ("ring", "allgather"))])   # its one key/value head
+def test_bidirectional_image_and_prefix_blocks_match_one_process(dist2, model_type, methods):
+    dist2.run(_bidirectional_blocks, model_type, methods)

@@ -13,7 +13,7 @@ from ...layout.mesh import DeviceMesh
 from .. import feed
 from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
-from .attention import METHODS, ContextSettings, register_attention, split_over_axis
+from .attention import HELD_ORDER, INDEX_MASK, METHODS, ContextSettings, register_attention, split_over_axis
 from .multimodal import check_language_model, language_model_of, split_at_language_model
 from .own_attention import own_attention_problem
 from .scan_layers import run_whole, scan_layer_types, scan_layers
@@ -153,10 +153,6 @@ class SequenceSplit:
                    "attention_mask 0 and labels -100 on the padding")
             return (f"context_parallel: the sequence length {seq_len} must be a multiple of 2 x "
                     f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); {pad}")
-        if not self.split_here and _marks_bidirectional_tokens(inputs.get("token_type_ids")):
-            return ("context_parallel: token_type_ids mark image / prefix tokens, which this multimodal model "
-                    "attends bidirectionally (Gemma3, PaliGemma); context-parallel attention is causal (with "
-                    "padding and sliding windows) only: run such inputs without context parallelism")
         positions = inputs.get("position_ids")
         # a multimodal model's 3-D rotary positions (rows, batch, seq)
         rows = not self.split_here and isinstance(positions, Tensor) and positions.ndim == 3
@@ -165,8 +161,9 @@ class SequenceSplit:
         if problem or rows:
             return problem or _rotary_rows_problem(positions, batch, seq_len)
         if positions is not None and inputs.get("attention_mask") is None and not isinstance(positions, DTensor):
+            # one sequence per row, counted from any start (PaliGemma's positions are 1-indexed)
             plain = torch.arange(seq_len, device=positions.device).expand(positions.shape)
-            if not torch.equal(positions, plain):
+            if not torch.equal(positions - positions[..., :1], plain):
                 return ("context_parallel: packed sequences (position_ids that restart) are not supported; pass "
                         "one sequence per row with an attention_mask")
         return None
@@ -255,11 +252,6 @@ def cache_problem(cache) -> str | None:
             "context_parallel")
 
 
-def _marks_bidirectional_tokens(token_types) -> bool:
-    """Do a multimodal model's token_type_ids mark any token (the blocks its mask makes bidirectional)?"""
-    return isinstance(token_types, Tensor) and not isinstance(token_types, DTensor) and bool(token_types.any())
-
-
 def _rotary_rows_problem(positions: Tensor, batch: int, seq_len: int) -> str | None:
     """Why 3-D rotary position ids (rows, batch, seq), e.g. Qwen3-VL's mrope ones, do not fit the batch."""
     if tuple(positions.shape[1:]) not in ((batch, seq_len), (1, seq_len)):
@@ -331,14 +323,21 @@ def whole_in_plain_order(settings: ContextSettings, t: DTensor, dim: int) -> DTe
 
 
 def _padding_mask(settings: ContextSettings, mask: Tensor):
-    """The 2D padding mask, whole on every rank in the zigzag order (b x L, small)."""
+    """The 2D padding mask, whole on every rank in the zigzag order (b x L, small), marked as held in that order
+    (`HELD_ORDER`: masks built from it index the held order) and keeping the `IndexMask` a multimodal base model's
+    mask builders gave the plain one (image blocks)."""
+    index_mask = getattr(mask, INDEX_MASK, None)
     if isinstance(mask, DTensor):
         mask = split(settings, mask, zigzag=True).full_tensor()
     else:
         mask = torch.cat([zigzag_slice(mask, SEQ_DIM, r, settings.parts) for r in range(settings.parts)], SEQ_DIM)
     if mask.ndim != 2:
         raise ValueError(f"context_parallel: attention_mask must be a 2D padding mask, got {mask.ndim}D")
-    return DTensor.from_local(mask.to(torch.bool), replicate_layout(settings.mesh, 2))
+    held = DTensor.from_local(mask.to(torch.bool), replicate_layout(settings.mesh, 2))
+    setattr(held, HELD_ORDER, True)
+    if index_mask is not None:
+        setattr(held, INDEX_MASK, index_mask)
+    return held
 
 
 def split(settings: ContextSettings, t: Tensor, zigzag: bool, dim: int = SEQ_DIM) -> DTensor:

@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ...dtensor import DTensor
 from ...redistribute import collectives as C
-from .ring import BlockAttention, Ring, RingAttention, Visibility, block_forward
+from .ring import BlockAttention, IndexMask, Ring, RingAttention, Visibility, block_forward
 from .zigzag import token_index
 
 METHODS = ("ring", "ulysses", "allgather")
@@ -96,13 +96,48 @@ def register_attention(settings: ContextSettings) -> str:
                                  is_causal, sliding_window, softcap, s_aux)
 
     AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, _padding_mask_as_is)
+    AttentionMaskInterface.register(name, _mask_for_context)
     return name
 
 
-def _padding_mask_as_is(attention_mask=None, **_):
-    """The mask builders' output for this attention: the 2D padding mask itself (or None)."""
-    return attention_mask
+# the mask functions of transformers' builders that `Visibility`'s causal / window rules are (the layer says which:
+# is_causal, sliding_window); anything else is carried as an `IndexMask`
+_STANDARD_MASKS = frozenset(("causal_mask_function", "bidirectional_mask_function",
+                             "sliding_window_overlay.<locals>.inner_mask",
+                             "sliding_window_bidirectional_overlay.<locals>.inner_mask"))
+HELD_ORDER = "_hp_held_order"   # marks the whole padding masks of a split forward (held, zigzag order)
+INDEX_MASK = "_hp_index_mask"    # a padding mask's `IndexMask`, where the builders made one
+
+
+def standard_mask(function) -> bool:
+    """Is `function` causal, bidirectional or sliding-window, alone or intersected (`and_masks`)?"""
+    if getattr(function, "__qualname__", None) == "and_masks.<locals>.and_mask":
+        parts = next((c.cell_contents for c in function.__closure__ or ()
+                      if isinstance(c.cell_contents, tuple)), None)
+        return parts is not None and all(standard_mask(f) for f in parts)
+    return getattr(function, "__qualname__", None) in _STANDARD_MASKS
+
+
+def _mask_for_context(attention_mask=None, mask_function=None, batch_size: int = 1, kv_length: int = 0,
+                      q_offset: int = 0, kv_offset: int = 0, device=None, **_):
+    """The mask builders' output for this attention: the 2D padding mask itself (or None), which the attention
+    turns into per-block masks from original token indices. Where the builders made more than a causal or
+    sliding-window mask (Gemma 3's image blocks, PaliGemma's prefix: `block_sequence_ids`), a view of the padding
+    mask (a new object per mask: a forward's full and sliding masks differ) carries the mask function as an
+    `IndexMask`. Its tensors index the plain order, so it must be built from the whole inputs (a multimodal base
+    model's, before its language model splits them); built from a split forward's inputs it is refused."""
+    if mask_function is None or standard_mask(mask_function):
+        return attention_mask
+    if getattr(attention_mask, HELD_ORDER, False):
+        raise ValueError(f"context_parallel: the model builds an attention mask other than causal / sliding-window "
+                         f"({getattr(mask_function, '__qualname__', mask_function)}: chunked attention, packed "
+                         f"sequences, or token blocks) from inputs already split over the sequence, whose indices "
+                         f"would be the held order's; run this model without context parallelism")
+    if attention_mask is None:
+        attention_mask = torch.ones((batch_size, kv_length + kv_offset), dtype=torch.bool, device=device)
+    mask = attention_mask.view(tuple(attention_mask.shape))
+    setattr(mask, INDEX_MASK, IndexMask(mask_function, batch_size, q_offset, kv_offset))
+    return mask
 
 
 def context_attention(settings, module, query, key, value, attention_mask, dropout, scaling, is_causal,
@@ -117,7 +152,7 @@ def context_attention(settings, module, query, key, value, attention_mask, dropo
         raise ValueError(f"{where}: only 2D padding masks are supported, got a {attention_mask.ndim}D mask")
     seq_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    vis = Visibility(bool(causal), sliding_window, _padding_keys(attention_mask))
+    vis = Visibility(bool(causal), sliding_window, _padding_keys(attention_mask), getattr(attention_mask, INDEX_MASK, None))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.to_local(), key.to_local(), value.to_local()
     ring = settings.ring(seq_len, q.device)
@@ -200,9 +235,12 @@ def whole_attention(settings, module, query, key, value, attention_mask, scaling
     q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (query, key, value))
     lq, lk = q.shape[2], k.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    vis = Visibility(bool(causal), sliding_window, _padding_keys(attention_mask, lk))
+    index_mask = getattr(attention_mask, INDEX_MASK, None)
+    vis = Visibility(bool(causal), sliding_window, _padding_keys(attention_mask, lk), index_mask)
     device = "cpu" if q.is_meta else q.device   # indices on the CPU for meta queries, as `ring` makes them
     q_index, k_index = torch.arange(lk - lq, lk, device=device), torch.arange(lk, device=device)
+    if index_mask is not None:   # the builder's own indices: its offsets are added to these
+        q_index = torch.arange(lq, device=device)
     mask = vis.mask(q_index, k_index, slice(None))
     if mask is not None and bool(mask.all()):   # every key visible (one query, no padding): sdpa unmasked
         vis = Visibility(False)
@@ -266,7 +304,7 @@ def _ulysses(settings, ring, vis, q, k, v, scale, where, sink=None, softcap=None
         heads = q.shape[1]
         sink = None if sink is None else sink[settings.rank * heads:(settings.rank + 1) * heads]
         out = _local_attention(q, k, v, vis, index, index, scale, sink, softcap)
-    elif vis.key_ok is None:  # back to the plain order, where a causal mask is sdpa's is_causal
+    elif vis.key_ok is None and vis.index_mask is None:  # back to the plain order: a causal mask is sdpa's is_causal
         order = torch.argsort(index)
         q, k, v = (t.index_select(2, order.to(q.device)) for t in (q, k, v))   # indices stay on the CPU for meta
         vis_plain = Visibility(vis.causal, vis.window)

@@ -9,7 +9,8 @@ to the rank that owns it.
 Shapes: q (b, hq, lq, d), k and v (b, hkv, lk, d) with hq a multiple of hkv (GQA: the K/V heads are
 not repeated, query heads are grouped per K/V head). Masks are computed per block from the original
 token index of every query and key (`Visibility`), so causal, sliding-window and padding masks use
-global positions whatever order the tokens are held in.
+global positions whatever order the tokens are held in; so do the index-based mask functions of transformers'
+mask builders where a model makes more than those (`IndexMask`: image blocks seen bidirectionally).
 
 Two changes to the scores that one device's eager attention makes are done exactly here: logit
 softcapping (`softcap * tanh(scores / softcap)` before the mask, Gemma 2), which torch's fused kernel
@@ -24,6 +25,7 @@ denominator, its value adds nothing), and the sink's own gradient is `-exp(sink 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -34,17 +36,47 @@ _NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
+class IndexMask:
+    """A mask function of transformers' mask builders, `function(batch, head, q_index, kv_index) -> bool`
+    (index-based, as their non-vmap sdpa path calls it), with the batch and offsets it was built for. It says
+    which keys a query sees where the builders make more than causal / sliding-window masks: image or prefix
+    blocks seen bidirectionally (Gemma 3's and PaliGemma's `block_sequence_ids`), chunks, any `or_mask_function`.
+    Evaluated per block on original token indices, it is the model's own mask whatever order tokens are held in."""
+
+    function: Callable
+    batch: int
+    q_offset: int = 0
+    kv_offset: int = 0
+
+    def __call__(self, q_index: Tensor, k_index: Tensor) -> Tensor:
+        """(batch, lq, lk) bool: which keys (original indices `k_index`) each query (`q_index`) sees."""
+        device = q_index.device
+        batch = torch.arange(self.batch, device=device)[:, None, None, None]
+        head = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
+        allowed = self.function(batch, head, (q_index + self.q_offset)[None, None, :, None],
+                                (k_index + self.kv_offset)[None, None, None, :])
+        return allowed.to(device).expand(self.batch, 1, q_index.numel(), k_index.numel())[:, 0]
+
+
+@dataclass(frozen=True)
 class Visibility:
     """Which keys a query sees: `causal` (key index <= query index), `window` (query - key < window),
-    and `key_ok` (b, total keys in held order) for padding; indices are original token indices."""
+    and `key_ok` (b, total keys in held order) for padding; indices are original token indices. `index_mask`,
+    where the model's mask builders made one, replaces the causal and window rules (padding still applies)."""
 
     causal: bool
     window: int | None = None
     key_ok: Tensor | None = None
+    index_mask: IndexMask | None = None
 
     def mask(self, q_index: Tensor, k_index: Tensor, k_slice: slice) -> Tensor | None:
         """(b or 1, lq, lk) bool mask of the block, None when every key is visible."""
         allowed = None
+        if self.index_mask is not None:
+            allowed = self.index_mask(q_index, k_index)
+            if self.key_ok is not None:
+                allowed = allowed & self.key_ok[:, k_slice][:, None, :]
+            return allowed
         if self.causal:
             allowed = k_index[None, :] <= q_index[:, None]
         if self.window is not None:
@@ -58,6 +90,8 @@ class Visibility:
 
     def skips(self, q_index: Tensor, k_index: Tensor) -> bool:
         """True when no query of the block can see any key of it (a causal block above the diagonal)."""
+        if self.index_mask is not None:
+            return not bool(self.index_mask(q_index, k_index).any())
         return self.causal and bool(k_index.min() > q_index.max())
 
 
@@ -197,7 +231,7 @@ def _pieces(ring: Ring, vis: Visibility, src: int):
     Padding or a window adds a mask built from the original token indices."""
     q_index, k_index = ring.index[ring.rank], ring.index[src]
     half, lk = q_index.numel() // 2, k_index.numel()
-    plain = vis.window is None and vis.key_ok is None
+    plain = vis.window is None and vis.key_ok is None and vis.index_mask is None
     pieces = []
     for rows in (slice(0, half), slice(half, 2 * half)):
         for cols in (slice(0, lk // 2), slice(lk // 2, lk)):
