@@ -238,9 +238,9 @@ def whole_attention(settings, module, query, key, value, attention_mask, scaling
     index_mask = getattr(attention_mask, INDEX_MASK, None)
     vis = Visibility(bool(causal), sliding_window, _padding_keys(attention_mask, lk), index_mask)
     device = "cpu" if q.is_meta else q.device   # indices on the CPU for meta queries, as `ring` makes them
-    q_index, k_index = torch.arange(lk - lq, lk, device=device), torch.arange(lk, device=device)
-    if index_mask is not None:   # the builder's own indices: its offsets are added to these
-        q_index = torch.arange(lq, device=device)
+    # the queries are the last keys' positions; an index mask's builder adds its own offsets to 0-based indices
+    q_index = torch.arange(lq, device=device) if index_mask is not None else torch.arange(lk - lq, lk, device=device)
+    k_index = torch.arange(lk, device=device)
     mask = vis.mask(q_index, k_index, slice(None))
     if mask is not None and bool(mask.all()):   # every key visible (one query, no padding): sdpa unmasked
         vis = Visibility(False)

@@ -74,25 +74,22 @@ class Visibility:
         allowed = None
         if self.index_mask is not None:
             allowed = self.index_mask(q_index, k_index)
-            if self.key_ok is not None:
-                allowed = allowed & self.key_ok[:, k_slice][:, None, :]
-            return allowed
-        if self.causal:
-            allowed = k_index[None, :] <= q_index[:, None]
-        if self.window is not None:
-            near = q_index[:, None] - k_index[None, :] < self.window
-            allowed = near if allowed is None else allowed & near
-        allowed = None if allowed is None else allowed[None]
+        else:
+            if self.causal:
+                allowed = k_index[None, :] <= q_index[:, None]
+            if self.window is not None:
+                near = q_index[:, None] - k_index[None, :] < self.window
+                allowed = near if allowed is None else allowed & near
+            allowed = None if allowed is None else allowed[None]
         if self.key_ok is not None:
             keys = self.key_ok[:, k_slice][:, None, :]
             allowed = keys if allowed is None else allowed & keys
         return allowed
 
     def skips(self, q_index: Tensor, k_index: Tensor) -> bool:
-        """True when no query of the block can see any key of it (a causal block above the diagonal)."""
-        if self.index_mask is not None:
-            return not bool(self.index_mask(q_index, k_index).any())
-        return self.causal and bool(k_index.min() > q_index.max())
+        """True when no query of the block can see any key of it (a causal block above the diagonal); a block
+        under an `index_mask` is judged from its mask (`_pieces`), which is made once."""
+        return self.index_mask is None and self.causal and bool(k_index.min() > q_index.max())
 
 
 def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float | None = None) -> Tensor:
@@ -243,7 +240,10 @@ def _pieces(ring: Ring, vis: Visibility, src: int):
                 pieces.append((rows, cols, None, diagonal))
             else:
                 k_slice = slice(src * lk + cols.start, src * lk + cols.stop)
-                pieces.append((rows, cols, vis.mask(qi, ki, k_slice), False))
+                mask = vis.mask(qi, ki, k_slice)
+                if vis.index_mask is not None and not bool(mask.any()):
+                    continue   # hidden by the model's own mask (or padded): adds nothing to the merge
+                pieces.append((rows, cols, mask, False))
     return pieces
 
 
