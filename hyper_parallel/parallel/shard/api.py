@@ -157,7 +157,7 @@ def _resolve(model: nn.Module, plan: Any, mesh: DeviceMesh, tp_mesh) -> Resolved
         res = resolve_sharding_plan(model, plan, mesh, tp_mesh)
     else:
         raise TypeError(f"shard: plan must be a ShardingPlan, a dict or 'auto', got {type(plan).__name__}")
-    notes += check_heads(model, res, strict)
+    notes += res.notes + check_heads(model, res, strict)
     model.__dict__["_hp_tp_notes"] = notes
     return res
 
