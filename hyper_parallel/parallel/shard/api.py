@@ -81,7 +81,7 @@ def _report(model: nn.Module, plan: Any, mesh: DeviceMesh) -> None:
     found = model.__dict__.pop("_hp_structure_entries", 0)
     by_structure = f" (+{found} module entries found by structure)" if found else ""
     notes = list(dict.fromkeys(re.sub(r"\.\d+(?=\.|:)", ".*", n) for n in model.__dict__.get("_hp_tp_notes", [])))
-    kept = f"; kept replicated: {'; '.join(notes)}" if notes else ""
+    kept = f"; notes: {'; '.join(notes)}" if notes else ""
     record_applied(model, f"tp: {len(split)} of {len(params)} parameters split over {axes} "
                           f"({ways}-way), plan {plan if isinstance(plan, str) else type(plan).__name__}"
                           f"{by_structure}{kept}")
@@ -157,7 +157,7 @@ def _resolve(model: nn.Module, plan: Any, mesh: DeviceMesh, tp_mesh) -> Resolved
         res = resolve_sharding_plan(model, plan, mesh, tp_mesh)
     else:
         raise TypeError(f"shard: plan must be a ShardingPlan, a dict or 'auto', got {type(plan).__name__}")
-    notes += check_heads(model, res, strict)
+    notes += res.notes + check_heads(model, res, strict)
     model.__dict__["_hp_tp_notes"] = notes
     return res
 

@@ -165,8 +165,9 @@ class Style:
     first input / its output are moved to (None: untouched). A Replicate output is handed on as a plain
     tensor, as transformers does (`use_local_output`): it is the full value, so nothing is lost, and the
     code after it (sampling in generate, the loss) runs on plain tensors. `experts`: a MoE experts
-    module whose experts are split over the axis and run locally (see api.py). `heads`: check that an
-    attention projection splits whole heads.
+    module whose experts are split over the axis and run locally (see api.py), where `_not_local` allows.
+    `heads`: check that an attention projection splits whole heads. `identity`: the identity
+    (zero-compute) expert inside an experts module, which keeps that module off the local run.
     """
 
     param: Callable[[int], Placement]
@@ -174,6 +175,7 @@ class Style:
     out: Placement | None = None
     experts: bool = False
     heads: bool = False
+    identity: bool = False
 
 
 _R, _S_LAST = REPLICATE, Shard(-1)
@@ -200,6 +202,10 @@ STYLES: dict[str, Style] = {
     "moe_tp_experts": Style(_dim0, experts=True),
     "ep_dispatch_experts": Style(_dim0, experts=True),
     "grouped_gemm": Style(_dim0),
+    # transformers divides the identity expert's input by the tp size, since its moe_tp_experts sums every
+    # rank's local output; on DTensors the experts module runs on the full values and the identity expert
+    # passes on its input once, so no scaling: the style only keeps its experts module off the local run
+    "moe_identity_expert": Style(_rep, identity=True),
 }
 
 
@@ -225,6 +231,7 @@ class Resolved:
     outputs: dict = field(default_factory=dict)       # module name -> Boundary
     experts: set = field(default_factory=set)         # module names
     head_checks: list = field(default_factory=list)   # (module, param, dim, parts): must split whole heads
+    notes: list = field(default_factory=list)         # what was laid out otherwise than the plan says, and why
 
 
 def _split_spec(spec, mesh, where) -> Boundary:
@@ -365,6 +372,7 @@ def _apply_styles(model, plan, tp_mesh, res: Resolved, strict: bool, modules, pa
     prefix = getattr(model, "base_model_prefix", "")
     # experts first: they decide the layout of their own parameters, whatever other entries say
     ordered = sorted(plan.items(), key=lambda kv: not (kv[1] in STYLES and STYLES[kv[1]].experts))
+    entries = []
     for key, name in ordered:
         style = STYLES.get(name)
         if style is None:
@@ -380,6 +388,9 @@ def _apply_styles(model, plan, tp_mesh, res: Resolved, strict: bool, modules, pa
                 raise ValueError(f"plan entry {key!r} ({name}) matches no module or parameter of "
                                  f"{type(model).__name__} (e.g. {_examples(modules)})")
             continue
+        entries.append((key, name, style, mods, pars))
+    with_identity = {m.rpartition(".")[0] for _, _, style, mods, _ in entries if style.identity for m in mods}
+    for key, name, style, mods, pars in entries:
         for p in pars:
             if p.rpartition(".")[0] in res.experts:
                 continue
@@ -392,6 +403,10 @@ def _apply_styles(model, plan, tp_mesh, res: Resolved, strict: bool, modules, pa
             if style.experts:
                 if not own:
                     raise ValueError(f"{m}: style {name!r} needs an experts module holding the expert weights")
+                why = _not_local(m, own, tp_size(tp_mesh), with_identity)
+                if why is not None:
+                    res.notes.append(f"{m}: run on DTensors, its weights split by their own plan entries ({why})")
+                    continue
                 res.experts.add(m)
             elif m in res.experts:
                 continue
@@ -407,6 +422,32 @@ def _apply_styles(model, plan, tp_mesh, res: Resolved, strict: bool, modules, pa
             if style.out is not None:
                 res.outputs[m] = Boundary(first=placement_fn(style.out, tp_mesh),
                                           local_if_replicated=style.out == REPLICATE)
+
+
+def _not_local(m: str, own: list, ranks: int, with_identity: set) -> str | None:
+    """Why the experts module `m` (its own weights `own`) cannot run whole experts per rank, locally; None if it can.
+
+    The local run (api.py) splits every weight's first dim as one block of experts per rank and masks the
+    routes to other ranks' experts. That needs:
+    - one expert count for all weights: LongCat's gate_up_proj also holds rows for its zero-compute experts,
+      its down_proj does not, so their blocks would hold different experts;
+    - at least one expert per rank: fewer leave ranks idle, and a single expert cannot stay split (its dim
+      of one is one row on one rank and none on the others, a split the elementwise rules do not keep:
+      `detach` in nn.Parameter already moves it to another dim, inside an expert);
+    - no identity expert (`moe_identity_expert`): its routes carry ids past the weights' experts, which the
+      masking drops on every rank, and the module tells them apart by counts of its own the local run
+      cannot know.
+    Otherwise the module's forward runs on DTensors through the op rules, its weights laid out by the plan's
+    entries for them (packed_colwise / rowwise split the intermediate dim, as transformers' own tp does) or
+    replicated: the identity expert then passes on the full value once, as in one process."""
+    counts = {p.shape[0] for _, p in own if p.ndim}
+    if len(counts) > 1:
+        return f"its weights hold different numbers of experts {sorted(counts)}"
+    if counts and min(counts) < ranks:
+        return f"{min(counts)} experts < {ranks} ranks"
+    if m in with_identity:
+        return "it has an identity expert"
+    return None
 
 
 def _heads_in(parent: nn.Module, size: int, head_dim: int) -> int | None:
