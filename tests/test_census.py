@@ -429,3 +429,23 @@ def test_model_type_inputs_a_forward_requires():
         with torch.no_grad():
             case.model(**case.inputs)
     assert tiny_config("gemma4_assistant").text_config.hidden_size_per_layer_input == 0
+
+
+def test_dp_scenario_runs_plain_and_dtensor_with_onednn_off_and_others_leave_it():
+    """oneDNN picks its fp32 convolution algorithm by the batch size, so the dp scenario (a rank's share of
+    the batch against the plain whole batch) runs every one of its runs with native kernels; the flag is
+    restored after, and scenarios that keep the batch leave it as it is."""
+    from hyper_parallel.tools.census_scenarios import Scenario, make_scenario
+    seen = []
+
+    def build():
+        seen.append(torch._C._get_mkldnn_enabled())
+        raise RuntimeError("recorded")   # _run_one reports it; the flag is what this test reads
+
+    before = torch._C._get_mkldnn_enabled()
+    assert make_scenario("dp", 2).native_kernels and not make_scenario("single").native_kernels
+    report = Scenario("dp", native_kernels=True).run("t", "train", build, 1, False)
+    assert "recorded" in report.error and seen == [False]
+    assert torch._C._get_mkldnn_enabled() == before
+    Scenario("single").run("t", "train", build, 1, False)
+    assert seen == [False, before]

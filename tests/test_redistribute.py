@@ -3,6 +3,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hyper_parallel as hp
 from hyper_parallel import DTensor, Layout
@@ -168,3 +170,51 @@ def _distribute_and_errors(rank, world):
 
 def test_distribute_tensor_and_bad_input(dist2):
     dist2.run(_distribute_and_errors)
+
+
+# ---- memory format: a gathered channels-last piece stays channels-last ------------------------------
+def _channels_last_batch_norm(rank, world):
+    """The clap audio encoder's pattern: (B, 1, T, mel) split on the batch, transposed to (B, mel, T, 1)
+    (channels-last strides), batch_norm in training (its input gathered), transposed back. torch's
+    batch_norm backward on a contiguous input with a channels-last gradient gives wrong weight / bias
+    gradients, so the gathered input must keep the plain input's format for the plain grads."""
+    import torch.nn.functional as F
+    L = Layout((world,), ("dp",))
+
+    def f(x, w, b):
+        return F.batch_norm(x.transpose(1, 3), None, None, w, b, training=True).transpose(1, 3)
+
+    torch.manual_seed(0)
+    x, r = torch.randn(2 * world, 1, 6, 4), torch.randn(2 * world, 1, 6, 4)
+    w, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    (f(x, w, b) * r).sum().backward()
+    xd = hp.distribute_tensor(x, L("dp", "None", "None", "None"), src_data_rank=None)
+    wd, bd = (hp.distribute_tensor(t.detach(), L("None"), src_data_rank=None).requires_grad_() for t in (w, b))
+    (f(xd, wd, bd) * hp.distribute_tensor(r, L("dp", "None", "None", "None"), src_data_rank=None)).sum().backward()
+    torch.testing.assert_close(wd.grad.full_tensor(), w.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bd.grad.full_tensor(), b.grad, atol=1e-5, rtol=1e-5)
+    for shape, fmt in (((2 * world, 3, 5, 2), torch.channels_last), ((2 * world, 3, 2, 5, 2), torch.channels_last_3d)):
+        full = torch.randn(shape).contiguous(memory_format=fmt)
+        g = make(L("dp", *["None"] * (len(shape) - 1)), full).redistribute(L(*["None"] * len(shape)))
+        assert g.to_local().is_contiguous(memory_format=fmt) and torch.equal(g.to_local(), full)
+    return True
+
+
+def test_batch_norm_on_channels_last_split_batch_gives_one_process_grads(dist2):
+    dist2.run(_channels_last_batch_norm)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=3, max_size=5), perm_seed=st.integers(0, 1000))
+def test_in_format_of_keeps_values_and_takes_channels_last_only_from_a_channels_last_input(shape, perm_seed):
+    from hyper_parallel.redistribute.planner import _FORMATS, _in_format_of
+    perm = torch.randperm(len(shape), generator=torch.Generator().manual_seed(perm_seed)).tolist()
+    like = torch.randn([shape[p] for p in perm]).permute([perm.index(i) for i in range(len(shape))])
+    out = torch.randn(shape)
+    kept = _in_format_of(out, like)
+    assert torch.equal(kept, out)
+    fmt = _FORMATS.get(len(shape))
+    if fmt is not None and like.is_contiguous(memory_format=fmt):
+        assert kept.is_contiguous(memory_format=fmt)
+    elif like.is_contiguous() or fmt is None:
+        assert kept is out

@@ -120,9 +120,27 @@ def _plan(src: Layout, dst: Layout, shape: tuple) -> list:
 _COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
+_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _in_format_of(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`out` in the memory format `like` suggests: torch's CPU kernels (batch_norm's backward, convolutions,
+    pooling) pick their code path from the input's memory format, and at least one (batch_norm's backward on
+    a contiguous input with a channels-last gradient, where a size-1 dim makes the strides ambiguous) gives
+    wrong gradients on the mixed path; the collectives return contiguous pieces, so a channels-last tensor
+    (a transpose of the channels last) would reach the local op in another format than the plain op sees."""
+    fmt = _FORMATS.get(like.ndim)
+    if fmt is None or out.ndim != like.ndim or like.is_contiguous() or out.is_contiguous(memory_format=fmt):
+        return out
+    return out.contiguous(memory_format=fmt) if like.is_contiguous(memory_format=fmt) else out
+
+
 def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, shape: tuple) -> torch.Tensor:
+    """`local` (this rank's piece of a `shape` tensor laid out `src`) as its piece under `dst`, in the memory
+    format the input had (see `_in_format_of`)."""
     if src is dst:
         return local
+    source = local
     mesh = dst.mesh
     for step in plan(src, dst, shape):
         kind = step[0]
@@ -140,7 +158,7 @@ def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, shape: tup
             local = C.all_to_all(local, step[2], step[3], mesh.get_group(step[1]), step[4])
         elif kind == "zero":
             local = torch.zeros_like(local)
-    return local
+    return _in_format_of(local, source)
 
 
 _check.describe_frames(redistribute_local.__code__,

@@ -2,7 +2,10 @@
 
 - single: one process; inputs (and parameters, in training) replicated on the census layout.
 - plain: one process, plain tensors only (a check of the tiny configs and inputs).
-- dp N: the batch split over N gloo processes, parameters replicated.
+- dp N: the batch split over N gloo processes, parameters replicated; every run of the scenario (plain, DTensor,
+  float64) with oneDNN off (`native_kernels`): oneDNN picks its fp32 convolution algorithm by the batch size, so
+  a rank's batch of 1 rounds otherwise than the plain batch of 2 (levit's grads 17x their magnitude apart, 1e-7
+  with native kernels, which compute sample by sample).
 - tp N: `shard(model, "auto")` over N processes, inputs replicated.
 - ep N: `expert_parallel(model, mesh, "ep")`: experts spread, the batch split by the model's own hook;
   a model without MoE experts is "not applicable".
@@ -49,6 +52,7 @@ class Scenario:
     wrap_input: Callable = replicated
     wrap_param: Callable = replicated
     shard_model: Callable | None = None
+    native_kernels: bool = False  # every run with oneDNN off (a scenario that changes the batch size per rank)
 
     def not_applicable(self, case: ModelCase) -> str | None:
         """Why the scenario does not apply to this model (None: it does). Decided from the model alone, the
@@ -68,6 +72,12 @@ class Scenario:
 
     def run(self, name: str, mode: str, build: Callable[[], ModelCase], max_new_tokens: int,
             record: bool) -> RunReport:
+        kernels = torch.backends.mkldnn.flags(enabled=False) if self.native_kernels else contextlib.nullcontext()
+        with kernels:
+            return self._run(name, mode, build, max_new_tokens, record)
+
+    def _run(self, name: str, mode: str, build: Callable[[], ModelCase], max_new_tokens: int,
+             record: bool) -> RunReport:
         if self.name == "pp":
             return pipeline_run(name, build, self.mesh, record)
         if self.name == "cp":
@@ -143,7 +153,7 @@ def make_scenario(name: str, world: int = 1) -> Scenario:
         mesh = Layout((world,), (name,))
         repl = lambda t: replicated(t, mesh)  # noqa: E731
         if name == "dp":
-            return Scenario(name, world, mesh, _batch_split(mesh, world), repl)
+            return Scenario(name, world, mesh, _batch_split(mesh, world), repl, native_kernels=True)
         from ..parallel.shard import shard
         return Scenario(name, world, mesh, repl, repl, lambda m: shard(m, "auto", mesh, src_data_rank=None))
     import hyper_parallel as hp

@@ -335,7 +335,10 @@ _ABOUT = ("Every model type transformers has a model class for, built tiny from 
           "its error at the end).")
 _SCENARIO_ABOUT = {
     "plain": " This page is the plain run alone (`--plain`): it checks the tiny configs and inputs.",
-    "dp": " With `--dp N` each type runs on N gloo processes with the batch split over them.",
+    "dp": (" With `--dp N` each type runs on N gloo processes with the batch split over them; every run of it (plain, "
+           "DTensor, float64) with oneDNN off (torch.backends.mkldnn), as oneDNN picks its fp32 convolution "
+           "algorithm by the batch size (a rank's 1 sample rounds otherwise than the plain run's 2), where the "
+           "native kernels compute sample by sample."),
     "tp": " With `--tp N` each type runs on N gloo processes, laid out by `shard(model, \"auto\", mesh)` from its "
           "own base_model_tp_plan (attention whose heads do not divide stays replicated); types without a plan "
           "are named at the end, not run.",
