@@ -557,3 +557,39 @@ def test_pp2_module_registered_after_its_layers_matches_one_process(dist2):
     (loss and every stage's gradient)."""
     for equal, error, detail in dist2.run(pipeline_census_type, "phi4_multimodal"):
         assert error is None and equal, (error, detail)
+
+
+def train_census_type_pp2(rank, world, model_type):
+    """Worker: one 1F1B step of the census's tiny `model_type` through pipeline() over pp=2 (2 micro-batches):
+    the loss and this rank's stages' gradients."""
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type(model_type, 0)
+    inputs = dict(case.inputs)
+    ids = inputs.pop("input_ids")
+    pipe = hp.pipeline(case.model.float(), hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b",
+                       n_microbatches=2)
+    case.model.train()
+    loss = pipe.step(ids, labels=case.labels["labels"], **inputs)
+    return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", ["zamba", "zaya"])
+def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model_type):
+    """Zamba's loop hands every layer a clone of the embeddings, Zaya's each layer the router states the
+    layer before returned: carried across the cut with the hidden state, pp=2 over gloo trains as one
+    process (the loss, and every parameter's gradient on the rank that holds it, within 1e-5)."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type(model_type, 0)
+    model = case.model.float().train()
+    want = model(**case.inputs, **case.labels).loss
+    want.backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    results = dist2.run(train_census_type_pp2, model_type)
+    held = {}
+    for loss, grads in results:
+        assert loss == pytest.approx(float(want), abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(plain), sorted(set(plain) ^ set(held))

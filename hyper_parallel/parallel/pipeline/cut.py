@@ -64,6 +64,9 @@ class Structure:
     # parameters held directly by a module on the path (Zaya's input_hidden_states_scale), placed as children
     first_params: tuple = ()
     last_params: tuple = ()
+    # the first stage's lists / dicts of modules: (path, is a dict, their keys), whose stand-ins later stages
+    # index as the forward does (`_absent`), known after pruning too
+    containers: tuple = ()
 
     @property
     def layers_path(self) -> str:
@@ -209,8 +212,10 @@ def find_structure(model: nn.Module) -> Structure:
     if not any(head is _get(model, p) for p in last):
         raise ValueError(f"pipeline: {name}'s output head is not a child of the modules above its layer list "
                          f"{layers_path}; the stage cutter cannot place it on the last stage")
+    containers = tuple((path, isinstance(_get(model, path), nn.ModuleDict), tuple(_get(model, path)._modules))
+                       for path in first if isinstance(_get(model, path), _CONTAINERS))
     return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last),
-                     tuple(first_params), tuple(last_params))
+                     tuple(first_params), tuple(last_params), containers)
 
 
 def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
@@ -437,21 +442,44 @@ def layer_attributes(model: nn.Module, structure: Structure) -> list[dict]:
 
 
 class _Absent(nn.Module):
-    """On a later stage, an embedding of the first stage that the decoder stack still calls before its
-    layers (GPT-2's position embeddings): zeros of the hidden width for integer inputs, the input itself
-    for floating ones (an embedding norm). Whatever it gives is discarded at the stage's first layer."""
+    """On a later stage, a module of the first stage that the decoder stack still calls before its layers
+    (GPT-2's position embeddings, Gemma 3n's per-layer projection): placeholders of the shape it gave on the
+    first stage, per token (`CarrySpec.part_tails`); where that is not known, zeros of the hidden width for
+    integer inputs, the input itself for floating ones (an embedding norm). Whatever it gives is replaced by
+    the carried values at the stage's first layer, or is refused by the probe where the stage depends on it."""
 
-    def __init__(self, state: "StageState"):
+    def __init__(self, state: "StageState", path: str = ""):
         super().__init__()
         self.__dict__["_hp_state"] = state
+        self.__dict__["_hp_path"] = path
 
     def forward(self, *args, **kwargs):
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         state = self.__dict__["_hp_state"]
         hidden = state.pending
-        if x is None or hidden is None or x.is_floating_point():
+        if x is None or hidden is None:
+            return x
+        spec = state.carry.get("spec")
+        tail = dict(spec.part_tails).get(self.__dict__["_hp_path"]) if spec is not None else None
+        dtype = x.dtype if x.is_floating_point() else hidden.dtype
+        if tail is not None and x.ndim >= 2:
+            return _placeholder(state, tuple(x.shape[:2]) + tail, dtype, hidden.device)
+        if x.is_floating_point():
             return x
         return _placeholder(state, tuple(x.shape) + (hidden.shape[-1],), hidden.dtype, hidden.device)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _absent(structure: "Structure", state: "StageState", path: str) -> nn.Module:
+    """The `_Absent` stand-in of a first-stage module on a later stage; of a list or dict of modules, one of the
+    same kind holding a stand-in per entry (Gemma 3n's altup projections, indexed by its forward)."""
+    for where, is_dict, keys in structure.containers:
+        if where == path:
+            parts = {key: _Absent(state, f"{path}.{key}") for key in keys}
+            return nn.ModuleDict(parts) if is_dict else nn.ModuleList(parts.values())
+    return _Absent(state, path)
 
 
 def _placeholder(state: "StageState", shape: tuple, dtype, device) -> torch.Tensor:
@@ -476,6 +504,9 @@ class CarrySpec:
     # what the loop hands a stage's first layer besides the hidden state, carried after the entries' pieces:
     # (name, "value") the tensor itself, (name, "base") the per-token tensor it is a view of (`_layer_pieces`)
     layer_entries: tuple = ()
+    # the first stage's modules the decoder stack calls before its layers: (path, output dims after (batch,
+    # sequence)), which their stand-ins on later stages give (`_Absent`)
+    part_tails: tuple = ()
 
 
 @dataclass
@@ -491,6 +522,7 @@ class StageState:
     layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
+    part_tails: dict = field(default_factory=dict)   # first-stage module path -> its output's dims after (b, s)
     recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
     exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
     entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
@@ -530,6 +562,12 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         embed = embeddings(model, "input")
         if isinstance(embed, nn.Module):
             embed.register_forward_hook(_embed_shape_hook(state))
+        for path in structure.first:
+            if _in_decoder(path, structure.decoder):
+                module = _get(model, path)
+                for key, part in (module._modules.items() if isinstance(module, _CONTAINERS) else [("", module)]):
+                    if part is not None:
+                        part.register_forward_hook(_part_shape_hook(state, _join(path, key) if key else path))
     if spec.layers.stop < len(layers._modules):
         layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
@@ -537,9 +575,9 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         if not keep:
             for path in paths:
                 parent, _, name = path.rpartition(".")
-                in_decoder = parent == inside or parent.startswith(inside + ".") or not inside
                 # the decoder stack's own embeddings are still called on later stages, the towers are not
-                copies[parent]._modules[name] = _Absent(state) if in_decoder and paths is structure.first else None
+                copies[parent]._modules[name] = (_absent(structure, state, path) if _in_decoder(path, inside)
+                                                 and paths is structure.first else None)
     decoder = copies.get(structure.decoder) if structure.decoder in copies else _get(view, structure.decoder)
     decoder.register_forward_pre_hook(_decoder_hook(state), with_kwargs=True)
     if not spec.first:
@@ -573,6 +611,22 @@ def _output_form_hook(state: StageState):
     """The first stage's first layer's forward hook: note the form of a real layer's output."""
     def hook(module, args, output):
         state.layer_output = len(output) if isinstance(output, tuple) else 0
+    return hook
+
+
+def _in_decoder(path: str, decoder: str) -> bool:
+    """Whether the module at `path` is a child of the decoder stack (or of a module inside it)."""
+    parent = path.rpartition(".")[0]
+    return parent == decoder or parent.startswith(decoder + ".") or not decoder
+
+
+def _part_shape_hook(state: StageState, path: str):
+    """A first-stage module's forward hook (one the decoder stack holds): note its output's dims after (batch,
+    sequence), None where its calls differ or it gives no tensor (`_Absent` then keeps its old rule)."""
+    def hook(module, args, output):
+        tail = tuple(output.shape[2:]) if isinstance(output, torch.Tensor) and output.ndim >= 2 else None
+        if state.part_tails.setdefault(path, tail) != tail:
+            state.part_tails[path] = None
     return hook
 
 
@@ -641,10 +695,17 @@ def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict
         if not isinstance(got, torch.Tensor) or isinstance(got, DTensor) or got.dtype != value.dtype:
             continue
         target = got if kind == "value" else got._base
-        if (target is None or tuple(target.shape) != tuple(value.shape) or (kind == "value" and got._base is not None)
-                or target.is_leaf and target.requires_grad
-                or any(st == 0 and n > 1 for st, n in zip(target.stride(), target.shape))):
+        if target is None or target.is_leaf and target.requires_grad:
             continue
+        if kind == "value" and (got._base is not None or tuple(target.shape) != tuple(value.shape)
+                                or any(st == 0 and n > 1 for st, n in zip(target.stride(), target.shape))):
+            continue
+        if kind == "base":
+            # the same elements in the same memory order (the view at the same place in it: the probe checks
+            # the values the layers get), whatever shape the loop's code gave the base here
+            if not (target.is_contiguous() and value.is_contiguous() and target.numel() == value.numel()):
+                continue
+            value = value.view(target.shape)
         target.copy_(value)
     return tuple(args), kwargs
 
@@ -655,11 +716,12 @@ def _print_hook(state: StageState, index: int):
     def hook(module, args, kwargs):
         if state.prints is None:
             return None
-        inputs = _layer_inputs(args, kwargs)
         hidden = _hidden_arg(args, kwargs)
-        found = {"the hidden state": hidden} if isinstance(hidden, torch.Tensor) else {}
-        found.update(per_token_inputs(inputs, hidden) if isinstance(hidden, torch.Tensor) else {})
-        state.prints += [(index, name, fingerprint(value)) for name, value in found.items()]
+        found = {"the hidden state": hidden, **_layer_inputs(args, kwargs)}
+        for name, value in found.items():
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            state.prints += [(index, name, fingerprint(v)) for v in values
+                             if isinstance(v, torch.Tensor) and v.is_floating_point()]
         return None
     return hook
 
@@ -789,7 +851,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         # between layers may be wider: DeepSeek-V4's residual streams)
         local = received[0]
         tail = carried.embed_tail
-        shape = tuple(local.shape) if tail is None else tuple(local.shape[:2]) + tail
+        # the tokens' (batch, sequence): the hidden state may lead with other dims (Gemma 3n's altup streams)
+        shape = tuple(local.shape) if tail is None else tuple(_leave(ids).shape[:2]) + tail
         call["inputs_embeds"] = _enter(_placeholder(state, shape, local.dtype, local.device), ids)
     else:
         state.capture = {} if not spec.last else None
@@ -818,8 +881,9 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     if spec.first:
         carry_spec, pieces = _encode(captured, call, ids)
         layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids)
+        part_tails = tuple(sorted((k, v) for k, v in state.part_tails.items() if v is not None))
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail,
-                                         layer_entries=layer_entries)
+                                         layer_entries=layer_entries, part_tails=part_tails)
         known = state.carry.setdefault("spec", carry_spec)
         if known != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
@@ -847,22 +911,22 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _carried_layer_input(value, hidden) -> bool:
-    """Whether the loop's `value` for a layer is carried to the next stage: a floating tensor per token, with
-    trailing dims, other than the hidden state (a constant computed before the loop, a state passed from
-    layer to layer, a slice of per-layer inputs). What a later stage's loop computes alike from the inputs
-    every stage gets (positions, masks) is carried too: copied over an equal value, it changes nothing."""
-    return (isinstance(value, torch.Tensor) and isinstance(hidden, torch.Tensor) and value is not hidden
-            and value.is_floating_point() and value.ndim > 2 and tuple(value.shape[:2]) == tuple(hidden.shape[:2]))
+def _carried_layer_input(value, hidden, lead: tuple) -> bool:
+    """Whether the loop's `value` for a layer is carried to the next stage: a floating tensor per token
+    (`lead`: the tokens' (batch, sequence)), with trailing dims, other than the hidden state (a constant
+    computed before the loop, a state passed from layer to layer, a slice of per-layer inputs). What a later
+    stage's loop computes alike from the inputs every stage gets is carried too: copied over an equal value,
+    it changes nothing."""
+    return (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
+            and value.ndim > 2 and tuple(value.shape[:2]) == lead)
 
 
-def _carried_base(value: torch.Tensor, hidden) -> bool:
+def _carried_base(value: torch.Tensor, lead: tuple) -> bool:
     """Whether `value` is a view of a larger per-token tensor (the loop's slice of per-layer inputs computed
     before it, Gemma 3n's per_layer_inputs[:, :, i, :]), which is carried whole: the next stage's later
     layers take their own slices of it."""
     base = value._base
-    return (base is not None and base.ndim >= 2 and tuple(base.shape[:2]) == tuple(hidden.shape[:2])
-            and base.numel() > value.numel())
+    return base is not None and base.ndim >= 2 and tuple(base.shape[:2]) == lead and base.numel() > value.numel()
 
 
 def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
@@ -871,14 +935,15 @@ def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
     expert or context split of the tokens (DTensors): the carried values are copied into the later stage's
     own tensors in place (`_take_carried`), which the stages do not do on split tensors."""
     entries = []
+    lead = tuple(ids.shape[:2])
     for name, value in layer_kwargs.items():
-        if not _carried_layer_input(value, hidden):
+        if not _carried_layer_input(value, hidden, lead):
             continue
         if isinstance(value, DTensor) or isinstance(ids, DTensor):
             raise ValueError(f"pipeline: the decoder loop hands the layers {name!r}, a per-token tensor besides "
                              f"the hidden state, which the stages carry to the next stage only when they are "
                              f"not split over 'tp', 'ep' or 'cp': use pp with dp (hsdp) for this model")
-        entries.append((name, "base" if _carried_base(value, hidden) else "value"))
+        entries.append((name, "base" if _carried_base(value, lead) else "value"))
     return tuple(entries)
 
 
