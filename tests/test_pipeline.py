@@ -403,7 +403,8 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
     lines += ["        return (x,)", ""] + _CAUSAL_LM
-    module = _module_from_source(lines, f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))}")
+    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))
+    module = _module_from_source(lines, f"ordered_{key}")
     torch.manual_seed(seed)
     return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
 
@@ -492,14 +493,15 @@ def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
              "        x, features, n = inputs_embeds, self.features, len(self.layers)",
              "        constant = torch.clone(inputs_embeds) * 0.5 if 'constant' in features else None",
              f"        side = inputs_embeds[..., :{HALF}] * 2 if 'side' in features else None",
-             f"        scales = torch.arange(1, n + 1, dtype=x.dtype).view(1, 1, n, 1)",
+             "        scales = torch.arange(1, n + 1, dtype=x.dtype).view(1, 1, n, 1)",
              f"        per_layer = inputs_embeds[..., :{HALF}].unsqueeze(2) * scales",
              f"        stack = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, {ORDER_HIDDEN})",
              "        stack = stack if 'stack' in features else None",
              "        state = None",
              "        for i, layer in enumerate(self.layers):",
              "            if 'slices' in features:", "                side = per_layer[:, :, i, :]",
-             f"            if 'recomputed' in features:", f"                side = inputs_embeds[..., :{HALF}] * (i + 1)",
+             "            if 'recomputed' in features:",
+             f"                side = inputs_embeds[..., :{HALF}] * (i + 1)",
              "            new_x, new_state = layer(x, constant, side, state, stack)",
              "            if stack is not None:", "                stack = torch.cat([stack, x.unsqueeze(-2)], dim=-2)",
              "            state = new_state if 'state' in features else None",

@@ -448,8 +448,11 @@ class Pipeline:
         same broadcast when a stage fails, so every rank raises that stage's error, naming it (API §11).
         The dry run also compares, at each cut, the per-token inputs the loop hands the layer there on both
         sides (`cut.cut_inputs_problem`): a stage that recomputes them otherwise (from placeholders of the
-        first stage's modules) would run without an error and give a wrong result, so it is refused.
-        Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
+        first stage's modules) would run without an error and give a wrong result, so it is refused; and it
+        runs every later stage a second time with random placeholders for the first stage's values
+        (`cut.placeholder_problem`): what its layers get must not change, or something the stages do not
+        hand each other reaches them. Once per input shape; pieces are this rank's local pieces, as the
+        schedule sends them."""
         micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
         views = {s.index: view for view, s in zip(self.stages, self.specs)}
         n_stages = self.specs[0].n_stages

@@ -26,7 +26,12 @@ What the first stage computed before the decoder stack and handed to it (3-D pos
 deepstack visual features and their positions, ...) is captured there (a pre-hook on the decoder stack)
 and carried along the pipeline with the hidden state (`CarrySpec`), as (batch, sequence, ...) tensors, so
 each stage hands the decoder stack what one device would; the inputs every stage receives (the padding
-mask, position ids given by the caller) need no carrying.
+mask, position ids given by the caller) need no carrying. So is what the decoder *loop* hands the next
+stage's first layer besides the hidden state, per token (`CarrySpec.layer_entries`: Zamba's clone of the
+embeddings, Zaya's router states, Inkling2's block stack, Gemma-style per-layer slices as their whole
+tensor): the later stage copies it into the tensor its own loop holds there (`_take_carried`), so its
+later layers get the real values too; the probe's second run on random placeholders refuses a stage whose
+layers still get something computed from them (`placeholder_problem`).
 """
 from __future__ import annotations
 
