@@ -716,8 +716,9 @@ def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 
 def _print_hook(state: StageState, index: int):
-    """An own layer's pre-hook on a later stage (the probe only): a fingerprint of each per-token tensor it gets,
-    the hidden state included, to compare a run on zero placeholders with one on random ones."""
+    """An own layer's pre-hook on a later stage (the probe only): a fingerprint of each floating tensor it gets
+    (the hidden state, what the loop hands it, tensors in tuples such as rotary (cos, sin)), to compare a run
+    on zero placeholders with one on random ones."""
     def hook(module, args, kwargs):
         if state.prints is None:
             return None
