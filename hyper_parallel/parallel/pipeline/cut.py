@@ -937,20 +937,16 @@ def _carried_base(value: torch.Tensor, lead: tuple) -> bool:
 
 def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
     """The first stage's `CarrySpec.layer_entries`: what the loop hands the next stage's first layer that is
-    carried (`_carried_layer_input`), "value" or "base" (`_carried_base`). Refused with a tensor-parallel,
+    carried (`_carried_layer_input`), "value" or "base" (`_carried_base`). None with a tensor-parallel,
     expert or context split of the tokens (DTensors): the carried values are copied into the later stage's
-    own tensors in place (`_take_carried`), which the stages do not do on split tensors."""
-    entries = []
+    own tensors in place (`_take_carried`), which the stages do not do on split tensors; there the later
+    stage's loop computes them itself, and the probe refuses it where that differs (`cut_inputs_problem`,
+    `placeholder_problem`)."""
+    if isinstance(ids, DTensor):
+        return ()
     lead = tuple(ids.shape[:2])
-    for name, value in layer_kwargs.items():
-        if not _carried_layer_input(value, hidden, lead):
-            continue
-        if isinstance(value, DTensor) or isinstance(ids, DTensor):
-            raise ValueError(f"pipeline: the decoder loop hands the layers {name!r}, a per-token tensor besides "
-                             f"the hidden state, which the stages carry to the next stage only when they are "
-                             f"not split over 'tp', 'ep' or 'cp': use pp with dp (hsdp) for this model")
-        entries.append((name, "base" if _carried_base(value, lead) else "value"))
-    return tuple(entries)
+    return tuple((name, "base" if _carried_base(value, lead) else "value") for name, value in layer_kwargs.items()
+                 if _carried_layer_input(value, hidden, lead) and not isinstance(value, DTensor))
 
 
 def _layer_pieces(entries: tuple, layer_kwargs: dict, index: int) -> list:
