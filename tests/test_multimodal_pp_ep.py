@@ -351,21 +351,29 @@ def test_a_stage_that_fails_fails_on_every_rank(dist2, failing_layer, stage):
 
 
 @pytest.mark.parametrize("model_type", ["zaya", "inkling2_text"])
-def test_a_second_state_flowing_through_the_layers_is_refused(model_type):
+def test_a_second_state_flowing_through_the_layers_is_carried_across_the_cut(model_type):
     """Zaya's layers return (hidden, router states) and its loop hands the router states to the next layer;
-    Inkling2's loop stacks block outputs and hands the stack to every layer: the stages hand each other the
-    hidden state only, so a later stage would start from None / an empty stack and train a different model
-    (the census found losses 8e-5 and 4e-3 off). Refused, naming the argument, before any step counts."""
+    Inkling2's loop stacks block outputs and hands the stack to every layer: a later stage starting from None /
+    an empty stack would train a different model (the census found losses 8e-5 and 4e-3 off). The cut carries
+    what the loop hands the next stage's first layer with the hidden state, and two stages in one process
+    train as the plain model: the loss and every gradient."""
+    import copy
     import transformers
     import hyper_parallel as hp
     from hyper_parallel.tools.auto_models import tiny_config
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).float()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = plain(input_ids=ids, labels=ids).loss
+    want.backward()
     pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
                        stages_per_rank=2, n_microbatches=2)
-    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="hands the layers 'argument 1', a tensor it builds or passes on from layer to layer"):
-        pipe.step(ids, labels=ids)
+    assert float(pipe.step(ids, labels=ids)) == pytest.approx(float(want.detach()), abs=1e-5)
+    grads = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        if p.grad is not None or grads[name].grad is not None:
+            torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("model_type", ["hunyuan_vl", "deepseek_v4"])

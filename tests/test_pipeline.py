@@ -364,6 +364,18 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
 ORDER_HIDDEN = 8
 
 
+# the causal LM around a source's `Decoder` (its constructor's arguments are the model's after the config)
+_CAUSAL_LM = ["class Model(nn.Module):", "    def __init__(self, config, *args):",
+              "        super().__init__()", "        self.config = config", "        self.model = Decoder(*args)",
+              f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
+              "    def get_input_embeddings(self):", "        return self.model.embed", "",
+              "    def get_output_embeddings(self):", "        return self.lm_head", "",
+              "    def get_decoder(self):", "        return self.model", "",
+              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):",
+              "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
+              "attention_mask=attention_mask)[0]", "        return (self.lm_head(hidden),)", ""]
+
+
 def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
@@ -390,25 +402,24 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     lines += [f"        side = inputs_embeds[..., :{ORDER_HIDDEN // 2}] * 2" if side else "        side = None"]
     lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
-    lines += ["        return (x,)", "", "class Model(nn.Module):", "    def __init__(self, config, registered, n_layers):",
-              "        super().__init__()", "        self.config = config", "        self.model = Decoder(registered, n_layers)",
-              f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
-              "    def get_input_embeddings(self):", "        return self.model.embed", "",
-              "    def get_output_embeddings(self):", "        return self.lm_head", "",
-              "    def get_decoder(self):", "        return self.model", "",
-              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):",
-              "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
-              "attention_mask=attention_mask)[0]", "        return (self.lm_head(hidden),)", ""]
-    folder = tempfile.mkdtemp()
-    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))}"
-    path = os.path.join(folder, f"{name}.py")
+    lines += ["        return (x,)", ""] + _CAUSAL_LM
+    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))
+    module = _module_from_source(lines, f"ordered_{key}")
+    torch.manual_seed(seed)
+    return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
+
+
+def _module_from_source(lines: list, name: str):
+    """The Python module of `lines`, written to a file first: the cutter reads a forward's source as it reads a
+    transformers model's."""
+    import importlib.util
+    path = os.path.join(tempfile.mkdtemp(), f"{name}.py")
     with open(path, "w") as f:
         f.write("\n".join(lines))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    torch.manual_seed(seed)
-    return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
+    return module
 
 
 @settings(max_examples=25, deadline=None)
@@ -417,8 +428,6 @@ def test_placement_follows_the_forward_property(n_before, n_after, n_layers, dat
     """Children the decoder's forward calls before its layer list go to the first stage, those it calls after
     to the last, whatever order they were registered in; cut into 2..layers stages run one after the other
     in one process, loss and every gradient equal the plain model's."""
-    import copy
-    import hyper_parallel as hp
     before = [f"pre{i}" for i in range(n_before)]
     after = [f"post{i}" for i in range(n_after)]
     registered = data.draw(st.permutations(["embed", "layers"] + before + after))
@@ -427,6 +436,14 @@ def test_placement_follows_the_forward_property(n_before, n_after, n_layers, dat
     structure = cut.find_structure(model)
     assert set(structure.first) == {"model.embed", *(f"model.{n}" for n in before)}
     assert set(structure.last) == {"lm_head", *(f"model.{n}" for n in after)}
+    _check_stages_in_one_process(model, n_stages)
+
+
+def _check_stages_in_one_process(model, n_stages: int, split_points=None) -> None:
+    """`model` cut into `n_stages` stages on one process (a pp axis of size 1, the stages run one after the
+    other) against a copy of it: the loss and every gradient of one step equal the plain model's."""
+    import copy
+    import hyper_parallel as hp
     plain = copy.deepcopy(model)
     ids, labels = batch()
     logits = plain(input_ids=ids)[0]
@@ -434,7 +451,7 @@ def test_placement_follows_the_forward_property(n_before, n_after, n_layers, dat
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shift.reshape(-1), ignore_index=-100)
     want.backward()
     pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
-                       stages_per_rank=n_stages, n_microbatches=2)
+                       stages_per_rank=n_stages, n_microbatches=2, split_points=split_points)
     assert len(pipe.stages) == n_stages
     got = pipe.step(ids, labels=labels)
     assert float(got) == pytest.approx(float(want.detach()), abs=1e-5)
@@ -443,17 +460,84 @@ def test_placement_follows_the_forward_property(n_before, n_after, n_layers, dat
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-def test_per_layer_input_from_the_first_stage_is_refused():
-    """A per-token input the decoder computes from its embeddings before the loop and hands every layer (as
-    Gemma 4's per-layer embeddings) would reach a later stage's layers computed from the placeholder
-    embeddings, without an error: the dry run finds the two sides of the cut handed different values and
-    refuses, rather than train on wrong ones."""
+# ---- what the decoder loop hands its layers besides the hidden state -----------------------------------
+HALF = ORDER_HIDDEN // 2
+# what the loop of `_stateful_model` hands its layers: "constant" a clone of the embeddings for every layer
+# (Zamba), "side" a half-width tensor computed from them (one object for every layer), "slices" per-layer
+# slices of one tensor computed before the loop (Gemma 3n), "state" what each layer returns for the next
+# (Zaya), "stack" a stack of the layers' inputs the loop grows (Inkling2); "recomputed" a per-layer input the
+# loop derives anew from the embeddings at each layer, which no stage hand-over can give a later stage
+LOOP_INPUTS = ("constant", "side", "slices", "state", "stack")
+
+
+def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
+    """A tiny causal LM whose decoder loop hands every layer, besides the hidden state, the `features`
+    (LOOP_INPUTS, "recomputed"), each a per-token tensor the layers mix into their output."""
+    import transformers
+    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
+             "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})",
+             f"        self.gate = nn.Linear({HALF}, {HALF})", "",
+             "    def forward(self, x, constant=None, side=None, state=None, stack=None):",
+             "        y = self.linear(x)",
+             "        y = y if constant is None else y + constant",
+             "        y = y if side is None else y + side.repeat(1, 1, 2)",
+             "        y = y if stack is None or stack.shape[-2] == 0 else y + stack.mean(-2)",
+             "        y = torch.tanh(y)",
+             f"        new_state = torch.tanh(self.gate(y[..., :{HALF}]) + (0 if state is None else state))",
+             "        return y + new_state.repeat(1, 1, 2), new_state", "",
+             "class Decoder(nn.Module):", "    def __init__(self, features, n_layers):", "        super().__init__()",
+             "        self.features = tuple(features)", f"        self.embed = nn.Embedding({VOCAB}, {ORDER_HIDDEN})",
+             "        self.layers = nn.ModuleList(Layer() for _ in range(n_layers))", "",
+             "    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None):",
+             "        if inputs_embeds is None:", "            inputs_embeds = self.embed(input_ids)",
+             "        x, features, n = inputs_embeds, self.features, len(self.layers)",
+             "        constant = torch.clone(inputs_embeds) * 0.5 if 'constant' in features else None",
+             f"        side = inputs_embeds[..., :{HALF}] * 2 if 'side' in features else None",
+             "        scales = torch.arange(1, n + 1, dtype=x.dtype).view(1, 1, n, 1)",
+             f"        per_layer = inputs_embeds[..., :{HALF}].unsqueeze(2) * scales",
+             f"        stack = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, {ORDER_HIDDEN})",
+             "        stack = stack if 'stack' in features else None",
+             "        state = None",
+             "        for i, layer in enumerate(self.layers):",
+             "            if 'slices' in features:", "                side = per_layer[:, :, i, :]",
+             "            if 'recomputed' in features:",
+             f"                side = inputs_embeds[..., :{HALF}] * (i + 1)",
+             "            new_x, new_state = layer(x, constant, side, state, stack)",
+             "            if stack is not None:", "                stack = torch.cat([stack, x.unsqueeze(-2)], dim=-2)",
+             "            state = new_state if 'state' in features else None",
+             "            x = new_x",
+             "        x = x if stack is None else x + stack.mean(-2)",
+             "        return (x,)", ""] + _CAUSAL_LM
+    module = _module_from_source(lines, f"stateful_{'_'.join(features) or 'none'}_{n_layers}")
+    torch.manual_seed(seed)
+    return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), features, n_layers)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(LOOP_INPUTS), unique=True), st.integers(2, 5), st.data())
+def test_loop_inputs_carried_across_cuts_property(features, n_layers, data):
+    """Whatever the decoder loop hands its layers besides the hidden state (a constant computed before the
+    loop, per-layer slices of one, a state each layer hands the next, a stack the loop grows), cut into
+    2..layers stages at random layers and run one after the other in one process, the loss and every
+    gradient equal the plain model's: each cut carries what the loop hands the next stage's first layer, and
+    the later stage's loop goes on from it."""
+    n_stages = data.draw(st.integers(2, n_layers))
+    split_points = sorted(data.draw(st.lists(st.integers(1, n_layers - 1), min_size=n_stages - 1,
+                                             max_size=n_stages - 1, unique=True)))
+    _check_stages_in_one_process(_stateful_model(tuple(features), n_layers), n_stages, split_points)
+
+
+def test_per_layer_input_derived_anew_from_the_embeddings_is_refused():
+    """A per-layer input the loop computes anew from the embeddings at each layer (not one tensor handed on)
+    reaches a later stage's later layers computed from the placeholder embeddings, which no hand-over at the
+    cut fixes: the dry run, run again on other placeholders, finds those layers handed other values and
+    refuses by name, rather than train on wrong ones."""
     import hyper_parallel as hp
-    model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, side=True)
+    model = _stateful_model(("recomputed",), 4)
     pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
                        stages_per_rank=2, n_microbatches=2)
     ids, labels = batch()
-    with pytest.raises(ValueError, match="hands the layers 'argument 1'.*which stage 1 computes otherwise"):
+    with pytest.raises(ValueError, match="stage 1 of Model runs on placeholders.*its layer 3 gets 'argument 2'"):
         pipe.step(ids, labels=labels)
 
 
@@ -475,3 +559,39 @@ def test_pp2_module_registered_after_its_layers_matches_one_process(dist2):
     (loss and every stage's gradient)."""
     for equal, error, detail in dist2.run(pipeline_census_type, "phi4_multimodal"):
         assert error is None and equal, (error, detail)
+
+
+def train_census_type_pp2(rank, world, model_type):
+    """Worker: one 1F1B step of the census's tiny `model_type` through pipeline() over pp=2 (2 micro-batches):
+    the loss and this rank's stages' gradients."""
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type(model_type, 0)
+    inputs = dict(case.inputs)
+    ids = inputs.pop("input_ids")
+    pipe = hp.pipeline(case.model.float(), hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b",
+                       n_microbatches=2)
+    case.model.train()
+    loss = pipe.step(ids, labels=case.labels["labels"], **inputs)
+    return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", ["zamba", "zaya"])
+def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model_type):
+    """Zamba's loop hands every layer a clone of the embeddings, Zaya's each layer the router states the
+    layer before returned: carried across the cut with the hidden state, pp=2 over gloo trains as one
+    process (the loss, and every parameter's gradient on the rank that holds it, within 1e-5)."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type(model_type, 0)
+    model = case.model.float().train()
+    want = model(**case.inputs, **case.labels).loss
+    want.backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    results = dist2.run(train_census_type_pp2, model_type)
+    held = {}
+    for loss, grads in results:
+        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(plain), sorted(set(plain) ^ set(held))

@@ -204,7 +204,9 @@ def _key_owners(whole_meta: dict, specs: list, owner: list, structure: cut.Struc
     layer_owner = {i: owner[s.index] for s in specs for i in s.layers}
     out = {}
     for key in whole_meta:
-        if key.startswith(prefix):
+        if key in structure.last_params:
+            out[key] = owner[-1]
+        elif key.startswith(prefix):
             out[key] = layer_owner[int(key[len(prefix):].split(".", 1)[0])]
         elif key.startswith(first_keys):
             out[key] = owner[0]
@@ -446,8 +448,11 @@ class Pipeline:
         same broadcast when a stage fails, so every rank raises that stage's error, naming it (API §11).
         The dry run also compares, at each cut, the per-token inputs the loop hands the layer there on both
         sides (`cut.cut_inputs_problem`): a stage that recomputes them otherwise (from placeholders of the
-        first stage's modules) would run without an error and give a wrong result, so it is refused.
-        Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
+        first stage's modules) would run without an error and give a wrong result, so it is refused; and it
+        runs every later stage a second time with random placeholders for the first stage's values
+        (`cut.placeholder_problem`): what its layers get must not change, or something the stages do not
+        hand each other reaches them. Once per input shape; pieces are this rank's local pieces, as the
+        schedule sends them."""
         micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
         views = {s.index: view for view, s in zip(self.stages, self.specs)}
         n_stages = self.specs[0].n_stages
@@ -461,12 +466,16 @@ class Pipeline:
                 state = views[index].__dict__["_hp_stage"]
                 state.recording, state.exit_inputs, state.entry_inputs = True, None, None
                 try:
-                    with torch.no_grad():
-                        out = views[index](*received, **micro)
+                    out, prints = self._dry_run(views[index], state, received, micro, scramble=False)
                     if index == 0:
                         spec = self._carry["spec"]
                     problem = None if index == 0 else cut.cut_inputs_problem(exits, state.entry_inputs,
                                                                              type(self.model).__name__, index)
+                    if problem is None and index > 0:
+                        exit_inputs = state.exit_inputs
+                        _, scrambled = self._dry_run(views[index], state, received, micro, scramble=True)
+                        problem = cut.placeholder_problem(prints, scrambled, type(self.model).__name__, index)
+                        state.exit_inputs = exit_inputs
                     result = ("error", problem, index) if problem else \
                         ("ok", spec, None if index == n_stages - 1 else tuple(out), state.exit_inputs)
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
@@ -482,6 +491,24 @@ class Pipeline:
             exits = result[3] if len(result) > 3 else None   # hp.plan's stand-ins send none
             self._carry["spec"] = spec
         return spec
+
+    def _dry_run(self, view: nn.Module, state, received: tuple, micro: dict, scramble: bool):
+        """One run of a stage in the probe (no gradients) from the random generators' current state, which is
+        kept (dropout draws the same masks in both runs of a later stage); returns its output and the
+        fingerprints of what its own layers got (`cut._print_hook`) and of its output. `scramble`: the
+        placeholders of the first stage's values are random instead of zeros (`cut.placeholder_problem`)."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        state.prints = []
+        state.scramble = torch.Generator().manual_seed(0x5EED) if scramble else None
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                out = view(*received, **micro)
+            outputs = out if isinstance(out, tuple) else (out,)
+            prints = state.prints + [(None, f"output {i}", cut.fingerprint(o)) for i, o in enumerate(outputs)
+                                     if isinstance(o, torch.Tensor)]
+        finally:
+            state.prints, state.scramble = None, None
+        return out, prints
 
     def _share(self, result, index: int, owner: int):
         """The probe's result for stage `index`, from its owner (a broadcast over the pp group)."""

@@ -26,7 +26,12 @@ What the first stage computed before the decoder stack and handed to it (3-D pos
 deepstack visual features and their positions, ...) is captured there (a pre-hook on the decoder stack)
 and carried along the pipeline with the hidden state (`CarrySpec`), as (batch, sequence, ...) tensors, so
 each stage hands the decoder stack what one device would; the inputs every stage receives (the padding
-mask, position ids given by the caller) need no carrying.
+mask, position ids given by the caller) need no carrying. So is what the decoder *loop* hands the next
+stage's first layer besides the hidden state, per token (`CarrySpec.layer_entries`: Zamba's clone of the
+embeddings, Zaya's router states, Inkling2's block stack, Gemma-style per-layer slices as their whole
+tensor): the later stage copies it into the tensor its own loop holds there (`_take_carried`), so its
+later layers get the real values too; the probe's second run on random placeholders refuses a stage whose
+layers still get something computed from them (`placeholder_problem`).
 """
 from __future__ import annotations
 
@@ -61,6 +66,12 @@ class Structure:
     decoder: str
     first: tuple
     last: tuple
+    # parameters held directly by a module on the path (Zaya's input_hidden_states_scale), placed as children
+    first_params: tuple = ()
+    last_params: tuple = ()
+    # the first stage's lists / dicts of modules: (path, is a dict, their keys), whose stand-ins later stages
+    # index as the forward does (`_absent`), known after pruning too
+    containers: tuple = ()
 
     @property
     def layers_path(self) -> str:
@@ -168,7 +179,7 @@ def find_structure(model: nn.Module) -> Structure:
     parts = holder_path.split(".") if holder_path else []
     for i in range(len(parts)):
         chain.append(".".join(parts[: i + 1]))
-    first, last = [], []
+    first, last, first_params, last_params = [], [], [], []
     for depth, holder in enumerate(chain):
         module = _get(model, holder)
         on_path = layers_name if depth == len(chain) - 1 else chain[depth + 1].rsplit(".", 1)[-1]
@@ -198,10 +209,18 @@ def find_structure(model: nn.Module) -> Structure:
                 last.append(path)
             else:
                 first.append(path)
+        # its own parameters, by where its forward names them; one it names on both sides (or not at all)
+        # stays on every stage
+        for param_name, param in module._parameters.items():
+            if param is not None and (param_name in named_before) != (param_name in named_after):
+                (first_params if param_name in named_before else last_params).append(_join(holder, param_name))
     if not any(head is _get(model, p) for p in last):
         raise ValueError(f"pipeline: {name}'s output head is not a child of the modules above its layer list "
                          f"{layers_path}; the stage cutter cannot place it on the last stage")
-    return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last))
+    containers = tuple((path, isinstance(_get(model, path), nn.ModuleDict), tuple(_get(model, path)._modules))
+                       for path in first if isinstance(_get(model, path), _CONTAINERS))
+    return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last),
+                     tuple(first_params), tuple(last_params), containers)
 
 
 def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
@@ -351,6 +370,15 @@ def prune(model: nn.Module, structure: Structure, keep_layers: set, first: bool,
         if not keep:
             for path in paths:
                 _set_child(model, path, None)
+    for paths, keep in ((structure.first_params, first), (structure.last_params, last)):
+        if not keep:
+            for path in paths:
+                # still read by the forward on the other stages (on placeholders, whose result is discarded): a
+                # plain tensor there, so that only the stage that uses it trains it and a checkpoint has it once
+                parent, _, name = path.rpartition(".")
+                module = _get(model, parent)
+                value = module._parameters.pop(name)
+                module.register_buffer(name, value.detach(), persistent=False)
 
 
 class _StageExit(Exception):
@@ -375,6 +403,11 @@ class _Skip(nn.Module):
         state = self.__dict__.get("_hp_state")
         spec = state.carry.get("spec") if state is not None else None
         n = spec.layer_output if spec is not None else 0
+        received = state.pending if state is not None and self.__dict__.get("_hp_entry") else None
+        if isinstance(received, torch.Tensor) and isinstance(hidden, torch.Tensor) and received.shape == hidden.shape:
+            # the layer before the stage's first own one: the loop's own hidden-state variable becomes the
+            # received one, as on one device (a loop that reuses it after the call, Inkling2's block stack)
+            hidden = received
         return hidden if n == 0 else (hidden,) + (None,) * (n - 1)
 
 
@@ -414,20 +447,52 @@ def layer_attributes(model: nn.Module, structure: Structure) -> list[dict]:
 
 
 class _Absent(nn.Module):
-    """On a later stage, an embedding of the first stage that the decoder stack still calls before its
-    layers (GPT-2's position embeddings): zeros of the hidden width for integer inputs, the input itself
-    for floating ones (an embedding norm). Whatever it gives is discarded at the stage's first layer."""
+    """On a later stage, a module of the first stage that the decoder stack still calls before its layers
+    (GPT-2's position embeddings, Gemma 3n's per-layer projection): placeholders of the shape it gave on the
+    first stage, per token (`CarrySpec.part_tails`); where that is not known, zeros of the hidden width for
+    integer inputs, the input itself for floating ones (an embedding norm). Whatever it gives is replaced by
+    the carried values at the stage's first layer, or is refused by the probe where the stage depends on it."""
 
-    def __init__(self, state: "StageState"):
+    def __init__(self, state: "StageState", path: str = ""):
         super().__init__()
         self.__dict__["_hp_state"] = state
+        self.__dict__["_hp_path"] = path
 
     def forward(self, *args, **kwargs):
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        hidden = self.__dict__["_hp_state"].pending
-        if x is None or hidden is None or x.is_floating_point():
+        state = self.__dict__["_hp_state"]
+        hidden = state.pending
+        if x is None or hidden is None:
             return x
-        return torch.zeros(tuple(x.shape) + (hidden.shape[-1],), dtype=hidden.dtype, device=hidden.device)
+        spec = state.carry.get("spec")
+        tail = dict(spec.part_tails).get(self.__dict__["_hp_path"]) if spec is not None else None
+        dtype = x.dtype if x.is_floating_point() else hidden.dtype
+        if tail is not None and x.ndim >= 2:
+            return _placeholder(state, tuple(x.shape[:2]) + tail, dtype, hidden.device)
+        if x.is_floating_point():
+            return x
+        return _placeholder(state, tuple(x.shape) + (hidden.shape[-1],), hidden.dtype, hidden.device)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _absent(structure: "Structure", state: "StageState", path: str) -> nn.Module:
+    """The `_Absent` stand-in of a first-stage module on a later stage; of a list or dict of modules, one of the
+    same kind holding a stand-in per entry (Gemma 3n's altup projections, indexed by its forward)."""
+    for where, is_dict, keys in structure.containers:
+        if where == path:
+            parts = {key: _Absent(state, f"{path}.{key}") for key in keys}
+            return nn.ModuleDict(parts) if is_dict else nn.ModuleList(parts.values())
+    return _Absent(state, path)
+
+
+def _placeholder(state: "StageState", shape: tuple, dtype, device) -> torch.Tensor:
+    """What a later stage puts where the first stage's modules computed values: zeros, or (the probe's second
+    run, `StageState.scramble`) random values, which show whether the stage's result depends on them."""
+    if state.scramble is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.randn(shape, generator=state.scramble, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -441,6 +506,12 @@ class CarrySpec:
     constants: tuple = ()
     layer_output: int = 0   # what a decoder layer returns: 0 a tensor, n a tuple of n (the stand-ins mimic it)
     embed_tail: tuple | None = None   # the embeddings' dims after (batch, sequence), when not the hidden state's
+    # what the loop hands a stage's first layer besides the hidden state, carried after the entries' pieces:
+    # (name, "value") the tensor itself, (name, "base") the per-token tensor it is a view of (`_layer_pieces`)
+    layer_entries: tuple = ()
+    # the first stage's modules the decoder stack calls before its layers: (path, output dims after (batch,
+    # sequence)), which their stand-ins on later stages give (`_Absent`)
+    part_tails: tuple = ()
 
 
 @dataclass
@@ -455,11 +526,14 @@ class StageState:
     pending: Any = None
     layer_kwargs: dict | None = None   # what the loop handed the next stage's first layer (first stage)
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
-    first_layer_shapes: dict = field(default_factory=dict)   # the first layer's inputs: name -> shape (None: none)
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
+    part_tails: dict = field(default_factory=dict)   # first-stage module path -> its output's dims after (b, s)
     recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
     exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
     entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
+    layer_inject: dict | None = None   # name -> (kind, received tensor): the carried layer inputs (later stages)
+    scramble: Any = None               # a torch.Generator: placeholders are random (the probe's second run)
+    prints: list | None = None         # (layer, name, fingerprint) of what each own layer got (the probe)
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -490,10 +564,15 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         layers._modules[str(i)].__dict__["_hp_state"] = state
     if spec.first:
         original_layers[spec.layers.start].register_forward_hook(_output_form_hook(state))
-        original_layers[spec.layers.start].register_forward_pre_hook(_first_layer_hook(state), with_kwargs=True)
         embed = embeddings(model, "input")
         if isinstance(embed, nn.Module):
             embed.register_forward_hook(_embed_shape_hook(state))
+        for path in structure.first:
+            if _in_decoder(path, structure.decoder):
+                module = _get(model, path)
+                for key, part in (module._modules.items() if isinstance(module, _CONTAINERS) else [("", module)]):
+                    if part is not None:
+                        part.register_forward_hook(_part_shape_hook(state, _join(path, key) if key else path))
     if spec.layers.stop < len(layers._modules):
         layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
@@ -501,13 +580,16 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         if not keep:
             for path in paths:
                 parent, _, name = path.rpartition(".")
-                in_decoder = parent == inside or parent.startswith(inside + ".") or not inside
                 # the decoder stack's own embeddings are still called on later stages, the towers are not
-                copies[parent]._modules[name] = _Absent(state) if in_decoder and paths is structure.first else None
+                copies[parent]._modules[name] = (_absent(structure, state, path) if _in_decoder(path, inside)
+                                                 and paths is structure.first else None)
     decoder = copies.get(structure.decoder) if structure.decoder in copies else _get(view, structure.decoder)
     decoder.register_forward_pre_hook(_decoder_hook(state), with_kwargs=True)
     if not spec.first:
         original_layers[spec.layers.start].register_forward_pre_hook(_entry_hook(state), with_kwargs=True)
+        layers._modules[str(spec.layers.start - 1)].__dict__["_hp_entry"] = True
+        for i in spec.layers:   # after the entry hook: what the layers get once the carried values are in
+            original_layers[i].register_forward_pre_hook(_print_hook(state, i), with_kwargs=True)
     view.__class__ = _stage_class(type(model))
     view.__dict__["_hp_stage"] = state
     return view
@@ -537,6 +619,22 @@ def _output_form_hook(state: StageState):
     return hook
 
 
+def _in_decoder(path: str, decoder: str) -> bool:
+    """Whether the module at `path` is a child of the decoder stack (or of a module inside it)."""
+    parent = path.rpartition(".")[0]
+    return parent == decoder or parent.startswith(decoder + ".") or not decoder
+
+
+def _part_shape_hook(state: StageState, path: str):
+    """A first-stage module's forward hook (one the decoder stack holds): note its output's dims after (batch,
+    sequence), None where its calls differ or it gives no tensor (`_Absent` then keeps its old rule)."""
+    def hook(module, args, output):
+        tail = tuple(output.shape[2:]) if isinstance(output, torch.Tensor) and output.ndim >= 2 else None
+        if state.part_tails.setdefault(path, tail) != tail:
+            state.part_tails[path] = None
+    return hook
+
+
 def _embed_shape_hook(state: StageState):
     """The first stage's input embeddings' forward hook: note their dims after (batch, sequence), which a
     model may widen before its layers (DeepSeek-V4's hc_mult residual streams: (b, s, hidden) becomes
@@ -552,27 +650,114 @@ def _layer_inputs(args: tuple, kwargs: dict) -> dict:
     return {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
 
 
-def _first_layer_hook(state: StageState):
-    """The first stage's first layer's pre-hook: note the shapes of what the loop hands it, so that what the
-    loop builds or hands on from layer to layer (other at the next stage's first layer) is recognised."""
-    def hook(module, args, kwargs):
-        state.first_layer_shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None
-                                    for k, v in _layer_inputs(args, kwargs).items()}
-    return hook
-
-
 def _entry_hook(state: StageState):
-    """The stage's first own layer's pre-hook: its input is the received hidden state (once per forward)."""
+    """The stage's first own layer's pre-hook: its input is the received hidden state (once per forward), and
+    what else the loop hands it is the carried value (`_take_carried`)."""
     def hook(module, args, kwargs):
         hidden, state.pending = state.pending, None
         if hidden is None:
             return None
+        if args:
+            args = (hidden,) + tuple(args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": hidden}
+        args, kwargs = _take_carried(state.layer_inject or {}, args, kwargs)
         if state.recording:
             state.entry_inputs = per_token_inputs(_layer_inputs(args, kwargs), hidden)
-        if args:
-            return (hidden,) + tuple(args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": hidden}
+        return args, kwargs
     return hook
+
+
+def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The first own layer's call with the carried layer inputs (`_layer_pieces`) in place of what this stage's
+    loop computed from placeholders, so that its later layers get the real values as on one device too:
+    - the loop handed None (a state the layers return and the loop passes on, Zaya's router states, which the
+      stand-ins return as None): the carried value is handed instead; the later layers get what the real
+      layers return;
+    - it handed a tensor of the carried value's shape (Zamba's clone of the embeddings handed to every layer,
+      Inkling2's stack of block outputs that the loop grows): the carried value is copied into that very
+      tensor, in place (autograd records the copy: the gradient flows back to the received piece), so every
+      later use of the object the loop holds (the same tensor handed to every layer, or a stack it grows
+      from it) sees the real values;
+    - the carried value is the base of the view it handed (Gemma 3n's per_layer_inputs[:, :, i, :]): copied
+      into the base of that view, so the slices the loop takes for the later layers are real too.
+    Anything else is left as the loop computed it: the probe compares it with the stage before
+    (`cut_inputs_problem`) and checks that the stage's result does not depend on placeholders, which refuses it
+    where it differs."""
+    args, kwargs = list(args), dict(kwargs)
+    for name, (kind, value) in carried.items():
+        if name.startswith("argument "):
+            i = int(name.split(" ", 1)[1])
+            got = args[i] if i < len(args) else None
+        else:
+            i, got = None, kwargs.get(name)
+        if kind == "value" and got is None:
+            if i is None:
+                kwargs[name] = value
+            elif i < len(args):
+                args[i] = value
+            continue
+        if not isinstance(got, torch.Tensor) or isinstance(got, DTensor) or got.dtype != value.dtype:
+            continue
+        target = got if kind == "value" else got._base
+        if target is None or target.is_leaf and target.requires_grad:
+            continue
+        if kind == "value" and (got._base is not None or tuple(target.shape) != tuple(value.shape)
+                                or any(st == 0 and n > 1 for st, n in zip(target.stride(), target.shape))):
+            continue
+        if kind == "base":
+            # the same elements in the same memory order (the view at the same place in it: the probe checks
+            # the values the layers get), whatever shape the loop's code gave the base here
+            if not (target.is_contiguous() and value.is_contiguous() and target.numel() == value.numel()):
+                continue
+            value = value.view(target.shape)
+        target.copy_(value)
+    return tuple(args), kwargs
+
+
+def _print_hook(state: StageState, index: int):
+    """An own layer's pre-hook on a later stage (the probe only): a fingerprint of each floating tensor it gets
+    (the hidden state, what the loop hands it, tensors in tuples such as rotary (cos, sin)), to compare a run
+    on zero placeholders with one on random ones."""
+    def hook(module, args, kwargs):
+        if state.prints is None:
+            return None
+        hidden = _hidden_arg(args, kwargs)
+        found = {"the hidden state": hidden, **_layer_inputs(args, kwargs)}
+        for name, value in found.items():
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            state.prints += [(index, name, fingerprint(v)) for v in values
+                             if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        return None
+    return hook
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Sums that tell two runs' values apart (this rank's local piece, in double)."""
+    v = _leave(t).detach().double()
+    return torch.stack([v.sum(), v.abs().sum(), (v * v).sum()])
+
+
+def placeholder_problem(plain: list, scrambled: list, model_name: str, index: int) -> str | None:
+    """Why stage `index`'s result depends on the placeholders it runs on in place of the first stage's values:
+    the fingerprints of what its own layers got and of its output (`_print_hook`), with zero placeholders
+    (`plain`) and random ones (`scrambled`). On one device those values are the first stage's; a later stage
+    whose layers get something computed from them (a per-layer input the loop derives anew at each layer
+    from the embeddings, a state the stages cannot hand over) would train on wrong values without an error.
+    None when every fingerprint agrees."""
+    for (layer, name, a), (_, _, b) in zip(plain, scrambled):
+        if a.is_meta or b.is_meta:
+            continue
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+            where = f"its layer {layer} gets {name!r}" if layer is not None else f"its {name}"
+            return (f"pipeline: stage {index} of {model_name} runs on placeholders where the first stage computed "
+                    f"values, and {where} computed from them (other with other placeholders): the decoder loop "
+                    f"derives it from values of the first stage that the stages do not hand each other, so "
+                    f"stage {index}'s layers would get wrong values: use dp/tp for this model")
+    if len(plain) != len(scrambled):
+        return (f"pipeline: stage {index} of {model_name} calls its layers otherwise when its placeholders for the "
+                f"first stage's values change: use dp/tp for this model")
+    return None
 
 
 _STAGE_CLASSES: dict = {}
@@ -662,15 +847,19 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         if carried is None:
             raise RuntimeError("pipeline: a later stage ran before the first stage's carried inputs were known")
         hidden_in = _enter(received[0], ids)
-        state.inject = _decode(carried, received[1:], ids, hidden_in)
+        n_entries = _piece_count(carried)
+        state.inject = _decode(carried, received[1:1 + n_entries], ids, hidden_in)
+        state.layer_inject = {name: (kind, _enter(_ContiguousGrad.apply(p), ids)) for (name, kind), p in
+                              zip(carried.layer_entries, received[1 + n_entries:])}
         state.pending = hidden_in
         call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
         # a placeholder of the embeddings' shape (models scale their embeddings in place: CTRL; the hidden state
         # between layers may be wider: DeepSeek-V4's residual streams)
         local = received[0]
         tail = carried.embed_tail
-        call["inputs_embeds"] = (torch.zeros_like(hidden_in) if tail is None or tail == tuple(local.shape[2:])
-                                 else _enter(local.new_zeros(tuple(local.shape[:2]) + tail), ids))
+        # the tokens' (batch, sequence): the hidden state may lead with other dims (Gemma 3n's altup streams)
+        shape = tuple(local.shape) if tail is None else tuple(_leave(ids).shape[:2]) + tail
+        call["inputs_embeds"] = _enter(_placeholder(state, shape, local.dtype, local.device), ids)
     else:
         state.capture = {} if not spec.last else None
     try:
@@ -686,6 +875,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                            f"does not follow the embeddings -> layer list -> norm/head pattern") from e
     finally:
         captured, state.capture, state.inject, state.pending = state.capture, None, None, None
+        state.layer_inject = None
         layer_kwargs, state.layer_kwargs = state.layer_kwargs, None
     if state.recording and hidden is not None:
         state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
@@ -695,16 +885,95 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
             logits = out[0] if isinstance(out, (tuple, list)) else out
         return _leave(logits)
     if spec.first:
-        carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {}, state.first_layer_shapes)
-        carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail)
+        carry_spec, pieces = _encode(captured, call, ids)
+        layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids)
+        part_tails = tuple(sorted((k, v) for k, v in state.part_tails.items() if v is not None))
+        carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail,
+                                         layer_entries=layer_entries, part_tails=part_tails)
         known = state.carry.setdefault("spec", carry_spec)
         if known != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
                              f"state, the first one handed it {known}; feed micro-batches of one kind (the same "
                              f"modalities in every step of one input shape)")
     else:
-        pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:]]
+        carry_spec = state.carry["spec"]
+        pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:1 + _piece_count(carry_spec)]]
+    pieces += _layer_pieces(carry_spec.layer_entries, layer_kwargs or {}, spec.index)
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous: what a stage sends back for a received piece is its
+    gradient, and torch's P2P receives it into a buffer of those strides, which gloo takes only contiguous
+    (a carried layer input copied into a tensor the layer concatenates, Zamba's, gets a slice of the
+    concatenation's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _carried_layer_input(value, hidden, lead: tuple) -> bool:
+    """Whether the loop's `value` for a layer is carried to the next stage: a floating tensor per token
+    (`lead`: the tokens' (batch, sequence)), with trailing dims, other than the hidden state (a constant
+    computed before the loop, a state passed from layer to layer, a slice of per-layer inputs). What a later
+    stage's loop computes alike from the inputs every stage gets is carried too: copied over an equal value,
+    it changes nothing."""
+    return (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
+            and value.ndim > 2 and tuple(value.shape[:2]) == lead)
+
+
+def _carried_base(value: torch.Tensor, lead: tuple) -> bool:
+    """Whether `value` is a view of a larger per-token tensor (the loop's slice of per-layer inputs computed
+    before it, Gemma 3n's per_layer_inputs[:, :, i, :]), which is carried whole: the next stage's later
+    layers take their own slices of it."""
+    base = value._base
+    return base is not None and base.ndim >= 2 and tuple(base.shape[:2]) == lead and base.numel() > value.numel()
+
+
+def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
+    """The first stage's `CarrySpec.layer_entries`: what the loop hands the next stage's first layer that is
+    carried (`_carried_layer_input`), "value" or "base" (`_carried_base`). None with a tensor-parallel,
+    expert or context split of the tokens (DTensors): the carried values are copied into the later stage's
+    own tensors in place (`_take_carried`), which the stages do not do on split tensors; there the later
+    stage's loop computes them itself, and the probe refuses it where that differs (`cut_inputs_problem`,
+    `placeholder_problem`)."""
+    if isinstance(ids, DTensor):
+        return ()
+    lead = tuple(ids.shape[:2])
+    return tuple((name, "base" if _carried_base(value, lead) else "value") for name, value in layer_kwargs.items()
+                 if _carried_layer_input(value, hidden, lead) and not isinstance(value, DTensor))
+
+
+def _layer_pieces(entries: tuple, layer_kwargs: dict, index: int) -> list:
+    """The pieces of `entries` from what this stage's loop handed the next stage's first layer (`_Exit`): the
+    real values, on a middle stage the carried ones it took in (or what its own layers made of them)."""
+    pieces = []
+    for name, kind in entries:
+        value = layer_kwargs.get(name)
+        if kind == "base" and isinstance(value, torch.Tensor):
+            value = value._base
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"pipeline: the decoder loop handed stage {index + 1}'s first layer no {name!r} "
+                             f"{'view of a tensor' if kind == 'base' else 'tensor'}, which the first stage "
+                             f"carries (it handed it one there): the stages cannot agree on what they carry; "
+                             f"use dp/tp for this model")
+        pieces.append(value)
+    return pieces
+
+
+def _piece_count(carry: CarrySpec) -> int:
+    """How many pieces the decoder stack's entries of `carry` take (before the layer entries')."""
+    count = 0
+    for _, kind in carry.entries:
+        if kind.startswith("dict:none:"):
+            continue
+        count += int(kind.split(":")[2]) if kind.startswith("rows:") else 1
+    return count
 
 
 def per_token_inputs(layer_inputs: dict, hidden: torch.Tensor | None) -> dict:
@@ -740,37 +1009,13 @@ def cut_inputs_problem(exit_inputs: dict | None, entry_inputs: dict | None, mode
     return None
 
 
-def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
-            first_layer_shapes: dict | None = None) -> tuple[CarrySpec, list]:
+def _encode(captured: dict, call: dict, ids) -> tuple[CarrySpec, list]:
     """What the first stage handed the decoder stack that later stages cannot compute themselves, as
-    (batch, sequence, ...) tensors, and the spec that decodes them. Refused, as later stages would not get
-    it: a floating tensor of the hidden state's shape that the loop hands every layer besides the hidden
-    state (Zamba's original_hidden_states, computed from the embeddings), and a per-token floating tensor
-    the loop hands the next stage's first layer that the first layer got in another shape or not at all
-    (`first_layer_shapes`): a state the loop builds or passes on from layer to layer (Zaya's router states,
-    Inkling2's stack of block outputs), which the stages' hand-over (the hidden state only) would drop."""
+    (batch, sequence, ...) tensors, and the spec that decodes them (what the loop hands the layers besides
+    the hidden state: `_layer_entries`)."""
     batch, seq = tuple(ids.shape[:2])
     entries, constants, pieces, masks = [], [], [], {}
     lists = []
-    for name, value in layer_kwargs.items():
-        # a per-token floating state, (batch, sequence, ...) as the hidden state, is mixed into the next layers'
-        # values (a layer given None or an empty stack computes something else, silently). Not refused: what
-        # the loop picks per layer type from values computed before it (Beam's attention scaling, (1, 1, s, 1)
-        # for full-attention layers, None for sliding ones), which later stages compute themselves; index
-        # tensors (GLM-DSA's shared top-k), which a layer that needs them raises without
-        if (first_layer_shapes is not None and isinstance(value, torch.Tensor) and value is not hidden
-                and value.is_floating_point() and value.ndim > 2
-                and tuple(value.shape[:2]) == tuple(hidden.shape[:2])
-                and first_layer_shapes.get(name) != tuple(value.shape)):
-            raise ValueError(f"pipeline: the decoder loop hands the layers {name!r}, a tensor it builds or passes "
-                             f"on from layer to layer (the first layer got {first_layer_shapes.get(name)}, the "
-                             f"next stage's first {tuple(value.shape)}); the stages hand each other the hidden "
-                             f"state only, so the next stage would not get it: use dp/tp for this model")
-        if (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
-                and tuple(value.shape) == tuple(hidden.shape)):
-            raise ValueError(f"pipeline: the decoder loop hands every layer {name!r}, a tensor of the hidden "
-                             f"state's shape computed before the layers; the stage cutter carries what the "
-                             f"decoder stack is handed, not this: use dp/tp for this model")
     for name, value in captured.items():
         if name in ("input_ids", "inputs_embeds", "use_cache") or value is None:
             continue
