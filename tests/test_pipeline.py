@@ -364,12 +364,15 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
 ORDER_HIDDEN = 8
 
 
-def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False):
+def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False,
+                   stream: bool = False):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
     list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
     reads a transformers model's. `side`: every layer is also handed a per-token input computed from the
-    embeddings before the loop (half their width, so not the hidden state's shape)."""
+    embeddings before the loop (half their width, so not the hidden state's shape). `stream`: the embeddings are
+    added to the layer list's output again behind it (a second stream beside the layers, as HRM's high-level
+    state)."""
     import importlib.util
     import transformers
     lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
@@ -389,6 +392,7 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in before]
     lines += [f"        side = inputs_embeds[..., :{ORDER_HIDDEN // 2}] * 2" if side else "        side = None"]
     lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
+    lines += ["        x = x + inputs_embeds"] if stream else []
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
     lines += ["        return (x,)", "", "class Model(nn.Module):", "    def __init__(self, config, registered, n_layers):",
               "        super().__init__()", "        self.config = config", "        self.model = Decoder(registered, n_layers)",
@@ -400,7 +404,7 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
               "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
               "attention_mask=attention_mask)[0]", "        return (self.lm_head(hidden),)", ""]
     folder = tempfile.mkdtemp()
-    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))}"
+    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream)))}"
     path = os.path.join(folder, f"{name}.py")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -455,6 +459,47 @@ def test_per_layer_input_from_the_first_stage_is_refused():
     ids, labels = batch()
     with pytest.raises(ValueError, match="hands the layers 'argument 1'.*which stage 1 computes otherwise"):
         pipe.step(ids, labels=labels)
+
+
+def _step_error(rank, world, stream):
+    """Worker: one pp=2 step of `_ordered_model` (with or without the embeddings' second stream); the error
+    this rank raised (None: it trained), and its loss."""
+    import hyper_parallel as hp
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, stream=stream),
+                       hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b", n_microbatches=2)
+    ids, labels = batch()
+    try:
+        return None, float(pipe.step(ids, labels=labels))
+    except ValueError as e:
+        return str(e), None
+
+
+def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
+    """A decoder that adds its embeddings to the layer list's output behind it (a second stream, as HRM's
+    high-level state) would train the last stage on its placeholder embeddings without an error: the dry run
+    sees that stage's result change with the placeholders' value and every rank raises the same refusal
+    (before the schedule: no rank waits on another); the same model without the stream trains as one process."""
+    errors = [error for error, _ in dist2.run(_step_error, True)]
+    assert all(e is not None and "gives another result when its placeholders" in e for e in errors), errors
+    assert errors[0] == errors[1]
+    plain = _ordered_model(["embed", "layers"], [], [], 4, seed=0)
+    ids, labels = batch()
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    want = torch.nn.functional.cross_entropy(plain(input_ids=ids)[0].reshape(-1, VOCAB), shift.reshape(-1),
+                                             ignore_index=-100)
+    for error, loss in dist2.run(_step_error, False):
+        assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
+
+
+def test_batch_packed_in_one_row_is_refused_naming_n_microbatches():
+    """An input packing every sample's image patches into one row (MiniCPM-V's NaViT pixel_values, (1, ...))
+    cannot be cut into micro-batches along dim 0: refused at the feed, saying what to use instead."""
+    import hyper_parallel as hp
+    pipe = hp.pipeline(tiny_model("llama"), hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    ids, labels = batch()
+    with pytest.raises(Exception, match="packs the whole batch into one row.*n_microbatches=1"):
+        pipe.step(ids, labels=labels, pixel_values=torch.zeros(1, 3, 4, 64))
 
 
 def pipeline_census_type(rank, world, model_type):

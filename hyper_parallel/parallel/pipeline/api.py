@@ -379,6 +379,11 @@ class Pipeline:
             if not isinstance(value, torch.Tensor) or value.ndim == 0:
                 return (f"{call}: input {name!r} must be a tensor with the batch ({batch}) first; got "
                         f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
+            if value.shape[0] == 1 and batch > 1 and self.n_microbatches > 1:
+                return (f"{call}: input {name!r} of shape {tuple(value.shape)} packs the whole batch into one row "
+                        f"(image patches of every sample along one dimension: NaViT packing); the schedule cuts "
+                        f"every input into micro-batches along dim 0 and cannot give each micro-batch its samples' "
+                        f"part of it: use n_microbatches=1, or dp/tp for this model")
             if value.shape[0] != batch and value.shape[0] % self.n_microbatches:
                 return (f"{call}: input {name!r} of shape {tuple(value.shape)} has neither the batch ({batch}) "
                         f"first nor rows (images, patches) that divide into n_microbatches={self.n_microbatches} "
@@ -467,6 +472,9 @@ class Pipeline:
                         spec = self._carry["spec"]
                     problem = None if index == 0 else cut.cut_inputs_problem(exits, state.entry_inputs,
                                                                              type(self.model).__name__, index)
+                    if problem is None and index > 0:
+                        problem = _placeholder_problem(views[index], state, received, micro, out,
+                                                       type(self.model).__name__, index)
                     result = ("error", problem, index) if problem else \
                         ("ok", spec, None if index == n_stages - 1 else tuple(out), state.exit_inputs)
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
@@ -544,6 +552,35 @@ def _positions_per_row(input_ids, inputs: dict) -> dict:
             and positions.ndim == 2 and positions.shape[0] == 1 and input_ids.shape[0] > 1):
         inputs = {**inputs, "position_ids": positions.expand(input_ids.shape[0], -1)}
     return inputs
+
+
+def _placeholder_problem(view: nn.Module, state: cut.StageState, received: tuple, micro: dict, out,
+                         model_name: str, index: int) -> str | None:
+    """Why later stage `index`'s result depends on its placeholders for what the first stage computed (the input
+    embeddings, `cut._Absent`'s outputs), or None: its forward run once more with them filled otherwise, on
+    the same random state (dropout), must give the same result.
+
+    Why: a later stage runs the model's own forward on placeholders that its first own layer replaces by the
+    received hidden state; a forward that also uses the embeddings past that point (a second stream beside
+    the layer list: HRM's high-level state starts from the embeddings and meets the layer list's output after
+    it) would give a wrong result with no error. Dataflow seen, not guessed from the model's code."""
+    devices = [out.device] if isinstance(out, torch.Tensor) else [t.device for t in out]
+    with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
+        state.placeholder_fill = 1.0
+        try:
+            with torch.no_grad():
+                again = view(*received, **micro)
+        finally:
+            state.placeholder_fill = 0.0
+    first = [out] if isinstance(out, torch.Tensor) else list(out)
+    second = [again] if isinstance(again, torch.Tensor) else list(again)
+    if all(a.shape == b.shape and (a.is_meta or torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6))
+           for a, b in zip(first, second)) and len(first) == len(second):
+        return None
+    return (f"pipeline: stage {index} of {model_name} gives another result when its placeholders for the first "
+            f"stage's input embeddings change: the model's forward uses the embeddings (or what the first "
+            f"stage's modules computed from them) besides the decoder layers' hidden state, a second stream "
+            f"that the stages' hand-over (the hidden state) does not carry; use dp/tp for this model")
 
 
 def _stage_failure(model_name: str, index: int, error: Exception) -> str:

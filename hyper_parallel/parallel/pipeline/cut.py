@@ -427,7 +427,8 @@ class _Absent(nn.Module):
         hidden = self.__dict__["_hp_state"].pending
         if x is None or hidden is None or x.is_floating_point():
             return x
-        return torch.zeros(tuple(x.shape) + (hidden.shape[-1],), dtype=hidden.dtype, device=hidden.device)
+        return torch.full(tuple(x.shape) + (hidden.shape[-1],), self.__dict__["_hp_state"].placeholder_fill,
+                          dtype=hidden.dtype, device=hidden.device)
 
 
 @dataclass
@@ -460,6 +461,9 @@ class StageState:
     recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
     exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
     entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
+    # the value of a later stage's placeholders for the first stage's results (its input embeddings, `_Absent`):
+    # the probe runs a later stage with two fills, and a result that changes with it is refused
+    placeholder_fill: float = 0.0
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -671,6 +675,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         tail = carried.embed_tail
         call["inputs_embeds"] = (torch.zeros_like(hidden_in) if tail is None or tail == tuple(local.shape[2:])
                                  else _enter(local.new_zeros(tuple(local.shape[:2]) + tail), ids))
+        if state.placeholder_fill:
+            call["inputs_embeds"] = call["inputs_embeds"] + state.placeholder_fill
     else:
         state.capture = {} if not spec.last else None
     try:
