@@ -365,17 +365,19 @@ ORDER_HIDDEN = 8
 
 
 def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False,
-                   stream: bool = False):
+                   stream: bool = False, shift: int | None = None):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
     list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
     reads a transformers model's. `side`: every layer is also handed a per-token input computed from the
     embeddings before the loop (half their width, so not the hidden state's shape). `stream`: the embeddings are
     added to the layer list's output again behind it (a second stream beside the layers, as HRM's high-level
-    state)."""
+    state). `shift`: the forward takes labels= and returns its own loss, the cross-entropy against the labels
+    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's)."""
     import importlib.util
     import transformers
-    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
+    lines = ["import torch", "from torch import nn", "from transformers.modeling_outputs import CausalLMOutput", "",
+             "class Layer(nn.Module):", "    def __init__(self):",
              "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})", "",
              "    def forward(self, x, side=None):",
              "        return torch.tanh(self.linear(x) + (0 if side is None else side.repeat(1, 1, 2)))", "",
@@ -400,11 +402,18 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
               "    def get_input_embeddings(self):", "        return self.model.embed", "",
               "    def get_output_embeddings(self):", "        return self.lm_head", "",
               "    def get_decoder(self):", "        return self.model", "",
-              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):",
+              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):",
               "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
-              "attention_mask=attention_mask)[0]", "        return (self.lm_head(hidden),)", ""]
+              "attention_mask=attention_mask)[0]", "        logits = self.lm_head(hidden)"]
+    if shift is None:
+        lines += ["        return (logits,)", ""]
+    else:
+        lines += ["        if labels is None:", "            return CausalLMOutput(logits=logits)",
+                  f"        target = torch.nn.functional.pad(labels, (0, {shift}), value=-100)[:, {shift}:]",
+                  "        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), "
+                  "target.reshape(-1), ignore_index=-100)", "        return CausalLMOutput(loss=loss, logits=logits)", ""]
     folder = tempfile.mkdtemp()
-    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream)))}"
+    name = f"ordered_{abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift)))}"
     path = os.path.join(folder, f"{name}.py")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -461,11 +470,11 @@ def test_per_layer_input_from_the_first_stage_is_refused():
         pipe.step(ids, labels=labels)
 
 
-def _step_error(rank, world, stream):
-    """Worker: one pp=2 step of `_ordered_model` (with or without the embeddings' second stream); the error
-    this rank raised (None: it trained), and its loss."""
+def _step_error(rank, world, options):
+    """Worker: one pp=2 step of `_ordered_model(**options)`; the error this rank raised (None: it trained), and
+    its loss."""
     import hyper_parallel as hp
-    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, stream=stream),
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options),
                        hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b", n_microbatches=2)
     ids, labels = batch()
     try:
@@ -479,7 +488,7 @@ def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
     high-level state) would train the last stage on its placeholder embeddings without an error: the dry run
     sees that stage's result change with the placeholders' value and every rank raises the same refusal
     (before the schedule: no rank waits on another); the same model without the stream trains as one process."""
-    errors = [error for error, _ in dist2.run(_step_error, True)]
+    errors = [error for error, _ in dist2.run(_step_error, {"stream": True})]
     assert all(e is not None and "gives another result when its placeholders" in e for e in errors), errors
     assert errors[0] == errors[1]
     plain = _ordered_model(["embed", "layers"], [], [], 4, seed=0)
@@ -487,7 +496,20 @@ def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
     shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     want = torch.nn.functional.cross_entropy(plain(input_ids=ids)[0].reshape(-1, VOCAB), shift.reshape(-1),
                                              ignore_index=-100)
-    for error, loss in dist2.run(_step_error, False):
+    for error, loss in dist2.run(_step_error, {}):
+        assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
+
+
+def test_pp2_model_whose_own_loss_is_not_the_shifted_one_is_refused_on_every_rank(dist2):
+    """A model whose own loss labels each token with its own label (TrOCR's unshifted cross-entropy) trains
+    another objective than the pipeline's shifted one: the dry run computes both on the last stage's logits and
+    every rank refuses; a model whose own loss is the shifted one trains, its loss the plain model's."""
+    errors = [error for error, _ in dist2.run(_step_error, {"shift": 0})]
+    assert all(e is not None and "own loss" in e and "shifted by one" in e for e in errors), errors
+    assert errors[0] == errors[1]
+    ids, labels = batch()
+    want = _ordered_model(["embed", "layers"], [], [], 4, seed=0, shift=1)(input_ids=ids, labels=labels).loss
+    for error, loss in dist2.run(_step_error, {"shift": 1}):
         assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
 
 

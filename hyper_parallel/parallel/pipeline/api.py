@@ -314,7 +314,7 @@ class Pipeline:
             collectives.all_reduce_(valid, group)
         self._valid_tokens = 1.0 if valid.is_meta else max(float(valid), 1.0)   # meta (hp.plan): no values
         self._loss_scale = float(self.dp)
-        schedule = self._prepare(input_ids, inputs, train=True)
+        schedule = self._prepare(input_ids, inputs, train=True, labels=labels)
         losses: list = []
         args = (input_ids,) if self._has_first() else ()
         held = self._tied.hold_gradient(self.model) if self._tied is not None else None
@@ -426,22 +426,22 @@ class Pipeline:
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         return total * (self._loss_scale / self._valid_tokens)
 
-    def _prepare(self, input_ids: torch.Tensor, inputs: dict, train: bool):
+    def _prepare(self, input_ids: torch.Tensor, inputs: dict, train: bool, labels: torch.Tensor | None = None):
         """The schedule for these inputs' shapes, and what the first stage carries besides the hidden state
         (cut.CarrySpec): found once per input shape by running the first stage on the first micro-batch
         (no gradients) and sent to the other stages, which receive its pieces positionally."""
         shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
         if self.pp > 1:
             if shapes not in self._carry_specs:
-                self._carry_specs[shapes] = self._probe(input_ids, inputs)
+                self._carry_specs[shapes] = self._probe(input_ids, inputs, labels)
             self._carry["spec"] = self._carry_specs[shapes]
         else:
             if len(self.stages) > 1 and shapes not in self._carry_specs:   # the dry run's checks of the cuts
-                self._carry_specs[shapes] = self._probe(input_ids, inputs)
+                self._carry_specs[shapes] = self._probe(input_ids, inputs, labels)
             self._carry.pop("spec", None)   # every stage here: the first stage's forward sets it
         return self._schedule(shapes, train)
 
-    def _probe(self, input_ids: torch.Tensor, inputs: dict):
+    def _probe(self, input_ids: torch.Tensor, inputs: dict, labels: torch.Tensor | None = None):
         """The first stage's CarrySpec on every pp rank, from a dry run of every stage in order on the first
         micro-batch (no gradients), each stage's output broadcast over the pp group to the next.
 
@@ -452,6 +452,8 @@ class Pipeline:
         The dry run also compares, at each cut, the per-token inputs the loop hands the layer there on both
         sides (`cut.cut_inputs_problem`): a stage that recomputes them otherwise (from placeholders of the
         first stage's modules) would run without an error and give a wrong result, so it is refused.
+        With `labels`, the last stage also computes the model's own loss on the micro-batch, which must be the
+        pipeline's shifted token cross-entropy (`_own_loss_problem`).
         Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
         micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
         views = {s.index: view for view, s in zip(self.stages, self.specs)}
@@ -466,6 +468,7 @@ class Pipeline:
                 state = views[index].__dict__["_hp_stage"]
                 state.recording, state.exit_inputs, state.entry_inputs = True, None, None
                 try:
+                    rng = _rng_state()
                     with torch.no_grad():
                         out = views[index](*received, **micro)
                     if index == 0:
@@ -473,8 +476,12 @@ class Pipeline:
                     problem = None if index == 0 else cut.cut_inputs_problem(exits, state.entry_inputs,
                                                                              type(self.model).__name__, index)
                     if problem is None and index > 0:
-                        problem = _placeholder_problem(views[index], state, received, micro, out,
+                        problem = _placeholder_problem(views[index], state, received, micro, out, rng,
                                                        type(self.model).__name__, index)
+                    if problem is None and index == n_stages - 1 and labels is not None and self.cp == 1:
+                        problem = _own_loss_problem(views[index], state, received, micro,
+                                                    labels.tensor_split(self.n_microbatches)[0], rng,
+                                                    type(self.model).__name__)
                     result = ("error", problem, index) if problem else \
                         ("ok", spec, None if index == n_stages - 1 else tuple(out), state.exit_inputs)
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
@@ -554,7 +561,7 @@ def _positions_per_row(input_ids, inputs: dict) -> dict:
     return inputs
 
 
-def _placeholder_problem(view: nn.Module, state: cut.StageState, received: tuple, micro: dict, out,
+def _placeholder_problem(view: nn.Module, state: cut.StageState, received: tuple, micro: dict, out, rng: tuple,
                          model_name: str, index: int) -> str | None:
     """Why later stage `index`'s result depends on its placeholders for what the first stage computed (the input
     embeddings, `cut._Absent`'s outputs), or None: its forward run once more with them filled otherwise, on
@@ -564,14 +571,11 @@ def _placeholder_problem(view: nn.Module, state: cut.StageState, received: tuple
     received hidden state; a forward that also uses the embeddings past that point (a second stream beside
     the layer list: HRM's high-level state starts from the embeddings and meets the layer list's output after
     it) would give a wrong result with no error. Dataflow seen, not guessed from the model's code."""
-    devices = [out.device] if isinstance(out, torch.Tensor) else [t.device for t in out]
-    with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
-        state.placeholder_fill = 1.0
-        try:
-            with torch.no_grad():
-                again = view(*received, **micro)
-        finally:
-            state.placeholder_fill = 0.0
+    state.placeholder_fill = 1.0
+    try:
+        again = _again(view, received, micro, rng)
+    finally:
+        state.placeholder_fill = 0.0
     first = [out] if isinstance(out, torch.Tensor) else list(out)
     second = [again] if isinstance(again, torch.Tensor) else list(again)
     if all(a.shape == b.shape and (a.is_meta or torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6))
@@ -581,6 +585,51 @@ def _placeholder_problem(view: nn.Module, state: cut.StageState, received: tuple
             f"stage's input embeddings change: the model's forward uses the embeddings (or what the first "
             f"stage's modules computed from them) besides the decoder layers' hidden state, a second stream "
             f"that the stages' hand-over (the hidden state) does not carry; use dp/tp for this model")
+
+
+def _rng_state() -> tuple:
+    """The random state (CPU, and the current CUDA device's), to replay a stage's forward with the same draws."""
+    return torch.random.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+
+
+def _again(view: nn.Module, received: tuple, micro: dict, rng: tuple):
+    """The stage's forward once more on the probe's micro-batch (no gradients), from random state `rng` (that of
+    the probe's run before it, so dropout draws the same); the random state is left as it was."""
+    cpu, cuda = rng
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda is not None else []):
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        with torch.no_grad():
+            return view(*received, **micro)
+
+
+def _own_loss_problem(view: nn.Module, state: cut.StageState, received: tuple, micro: dict, labels: torch.Tensor,
+                      rng: tuple, model_name: str) -> str | None:
+    """Why the model's own loss (its forward given labels=, on the last stage) is not the pipeline's loss, the
+    token cross-entropy against the labels shifted by one (transformers' causal-LM loss), or None: equal on the
+    probe's micro-batch, or not comparable (no loss, no valid label, a forward that takes no labels there).
+
+    Why: the pipeline computes the loss on the last stage's logits itself; a model whose own loss differs
+    (TrOCR's unshifted cross-entropy, label smoothing, an auxiliary term) would train on another objective
+    than one device does, with no error. Both losses come from the same forward's logits."""
+    state.own_loss = None
+    try:
+        logits = _again(view, received, {**micro, cut.OWN_LOSS_LABELS: labels}, rng)
+    except Exception:   # a forward that cannot take labels on this stage: nothing to compare
+        return None
+    own, state.own_loss = state.own_loss, None
+    shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    if not isinstance(own, torch.Tensor) or own.numel() != 1 or own.is_meta or not (shift != IGNORE_INDEX).any():
+        return None
+    mine = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1), ignore_index=IGNORE_INDEX)
+    if abs(float(own) - float(mine)) <= 1e-5 * max(1.0, abs(float(mine))):
+        return None
+    return (f"pipeline: {model_name}'s own loss ({float(own):.6g} on the first micro-batch) is not the token "
+            f"cross-entropy against the labels shifted by one ({float(mine):.6g}) that the pipeline computes on "
+            f"the last stage's logits (transformers' causal-LM loss): it labels tokens otherwise (unshifted labels, "
+            f"label smoothing, an auxiliary term), so the pipeline would train another objective; use dp/tp for "
+            f"this model")
 
 
 def _stage_failure(model_name: str, index: int, error: Exception) -> str:

@@ -415,8 +415,10 @@ def layer_attributes(model: nn.Module, structure: Structure) -> list[dict]:
 
 class _Absent(nn.Module):
     """On a later stage, an embedding of the first stage that the decoder stack still calls before its
-    layers (GPT-2's position embeddings): zeros of the hidden width for integer inputs, the input itself
-    for floating ones (an embedding norm). Whatever it gives is discarded at the stage's first layer."""
+    layers (GPT-2's position embeddings): placeholders of the hidden width for integer inputs and for floating
+    (batch, sequence) ones (TrOCR's learned positions read `inputs_embeds[:, :, -1]`), the input itself for
+    floating ones with a width (an embedding norm). Whatever it gives is discarded at the stage's first layer
+    (the probe refuses a stage whose result depends on it: `api._placeholder_problem`)."""
 
     def __init__(self, state: "StageState"):
         super().__init__()
@@ -425,7 +427,9 @@ class _Absent(nn.Module):
     def forward(self, *args, **kwargs):
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         hidden = self.__dict__["_hp_state"].pending
-        if x is None or hidden is None or x.is_floating_point():
+        if x is None or hidden is None:
+            return x
+        if x.is_floating_point() and not (x.ndim == 2 and tuple(x.shape) == tuple(hidden.shape[:2])):
             return x
         return torch.full(tuple(x.shape) + (hidden.shape[-1],), self.__dict__["_hp_state"].placeholder_fill,
                           dtype=hidden.dtype, device=hidden.device)
@@ -435,6 +439,7 @@ class _Absent(nn.Module):
 class CarrySpec:
     """What the first stage carries besides the hidden state, in order: (name, kind) entries, kind "bs" (a
     (batch, sequence, ...) tensor), "kbs" (a (k, batch, sequence, ...) tensor, carried with k last),
+    "b" (a (batch, ...) tensor of another length than the tokens': per-sample features),
     "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
     (a list of (rows, hidden) tensors, the rows at the True positions of the carried mask M, carried dense);
     and the constants handed to the decoder stack."""
@@ -464,6 +469,7 @@ class StageState:
     # the value of a later stage's placeholders for the first stage's results (its input embeddings, `_Absent`):
     # the probe runs a later stage with two fills, and a result that changes with it is refused
     placeholder_fill: float = 0.0
+    own_loss: Any = None               # the model's own loss on the probe's micro-batch (last stage)
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -592,6 +598,9 @@ def _stage_class(cls: type) -> type:
 _EVERY_STAGE_INPUTS = ("attention_mask", "position_ids")
 
 
+# the probe's labels for the last stage, to compare the model's own loss with the pipeline's
+OWN_LOSS_LABELS = "_hp_own_loss_labels"
+
 # the whole batch's 3-D rotary positions, batch first: the schedule cuts every input into micro-batches on dim 0
 BATCH_POSITIONS = "_hp_batch_positions"
 _GRID_INPUTS = ("image_grid_thw", "video_grid_thw")
@@ -653,6 +662,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     spec = state.spec
     if BATCH_POSITIONS in inputs:   # this micro-batch's rows of the whole batch's positions (rows, batch, seq)
         inputs["position_ids"] = inputs.pop(BATCH_POSITIONS).movedim(0, 1)
+    own_labels = inputs.pop(OWN_LOSS_LABELS, None)
     call = {"input_ids": received[0] if spec.first and received else inputs.get("input_ids")}
     call.update((k, v) for k, v in inputs.items() if k != "input_ids")
     stage_feed = feed_of(self)
@@ -669,6 +679,12 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         state.inject = _decode(carried, received[1:], ids, hidden_in)
         state.pending = hidden_in
         call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
+        # per-sample features the decoder stack is handed, which the model's forward takes in place of its towers'
+        # inputs (Kosmos-2's image_embeds for pixel_values): handed to it too, as one device's forward passes them on
+        call.update((name, state.inject[name]) for name, kind in carried.entries
+                    if kind == "b" and name in _parameters(state.forward))
+        if own_labels is not None and spec.last and not isinstance(ids, DTensor):
+            call["labels"] = own_labels   # the probe's check of the model's own loss (api._own_loss_problem)
         # a placeholder of the embeddings' shape (models scale their embeddings in place: CTRL; the hidden state
         # between layers may be wider: DeepSeek-V4's residual streams)
         local = received[0]
@@ -696,11 +712,19 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     if state.recording and hidden is not None:
         state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
     if spec.last:
+        if own_labels is not None:
+            state.own_loss = getattr(out, "loss", None)
         logits = getattr(out, "logits", None)
         if logits is None:
             logits = out[0] if isinstance(out, (tuple, list)) else out
         return _leave(logits)
     if spec.first:
+        if (hidden is not None and hidden.ndim >= 2 and hidden.shape[0] == ids.shape[0]
+                and hidden.shape[1] != ids.shape[1]):
+            raise ValueError(f"pipeline: {type(self).__mro__[1].__name__} hands its layers a sequence of "
+                             f"{hidden.shape[1]} positions for {ids.shape[1]} tokens (image features joined to the "
+                             f"tokens before the layers: GIT); a later stage rebuilds its masks and positions from "
+                             f"the tokens and cannot run on the longer sequence: use dp/tp for this model")
         carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {}, state.first_layer_shapes)
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail)
         known = state.carry.setdefault("spec", carry_spec)
@@ -780,8 +804,8 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
     for name, value in captured.items():
         if name in ("input_ids", "inputs_embeds", "use_cache") or value is None:
             continue
-        if name in call and value is call[name]:
-            continue  # the caller's own input, which every stage gets
+        if name in _EVERY_STAGE_INPUTS and name in call and value is call[name]:
+            continue  # the caller's own input, which every stage gets (the others only the first stage: carried)
         if isinstance(value, (bool, int, float, str)):
             constants.append((name, value))
         elif isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (batch, seq):
@@ -792,6 +816,12 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
         elif isinstance(value, torch.Tensor) and value.ndim >= 3 and tuple(value.shape[1:3]) == (batch, seq):
             entries.append((name, "kbs"))
             pieces.append(value.movedim(0, -1))
+        elif (isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == batch
+              and not isinstance(ids, DTensor)):
+            # per sample, not per token (Kosmos-2's image embeddings, its text model scatters into its embeddings):
+            # carried whole where the tokens are plain tensors (no batch or sequence split to lay it out by)
+            entries.append((name, "b"))
+            pieces.append(value)
         elif (isinstance(value, dict) and value and not isinstance(ids, DTensor)
               and all(v is None or isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch
                       for v in value.values())):
@@ -806,7 +836,7 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
         else:
             raise ValueError(f"pipeline: the decoder stack is handed {name!r} ({type(value).__name__} "
                              f"{tuple(getattr(value, 'shape', ()))}) computed before the decoder layers; the stage "
-                             f"cutter carries (batch, sequence, ...) tensors to later stages and cannot carry this")
+                             f"cutter carries (batch, ...) tensors to later stages and cannot carry this")
     for name, value in lists:
         rows = value[0].shape[0]
         mask = next((m for m, t in masks.items() if int(t.sum()) == rows), None)
@@ -835,6 +865,9 @@ def _decode(carry: CarrySpec, pieces: Sequence[torch.Tensor], ids, hidden) -> di
             _, mask, n = kind.split(":")
             dense_lists.append((name, mask, [_enter(next(it), ids) for _ in range(int(n))]))
             continue
+        if kind == "b":
+            out[name] = next(it)
+            continue
         value = _enter(next(it), ids)
         out[name] = value.movedim(-1, 0) if kind == "kbs" else value
     for name, mask, dense in dense_lists:
@@ -862,6 +895,14 @@ def _leave(t: torch.Tensor) -> torch.Tensor:
             t = t.redistribute(t.dist_layout.without_partial())
         return t.to_local()
     return t
+
+
+def _parameters(forward) -> tuple:
+    """The names of `forward`'s own parameters (not what a **kwargs takes)."""
+    try:
+        return tuple(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def accepts(forward, name: str) -> bool:
