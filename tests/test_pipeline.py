@@ -542,3 +542,41 @@ def test_pp2_module_registered_after_its_layers_matches_one_process(dist2):
     (loss and every stage's gradient)."""
     for equal, error, detail in dist2.run(pipeline_census_type, "phi4_multimodal"):
         assert error is None and equal, (error, detail)
+
+
+def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
+    """BERT-generation's head is lm_head.decoder, inside the lm_head the last stage runs: pp=2 trains it as one
+    process (loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, "bert-generation"):
+        assert error is None and equal, (error, detail)
+
+
+@pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
+                                               ("trocr", "own loss"), ("hrm_text", "placeholders"),
+                                               ("xlnet", "own loss")])
+def test_pp2_census_types_that_cannot_be_cut_are_refused_on_every_rank(dist2, model_type, reason):
+    """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), TrOCR's and
+    XLNet's own losses are unshifted (XLNet's later stage runs on its sequence-first layout, placeholders
+    batch first), HRM adds its embeddings to its stacks' output (a second stream): each refused with its reason
+    on both ranks, not trained wrong."""
+    results = dist2.run(pipeline_census_type, model_type)
+    for equal, error, detail in results:
+        assert not equal and error is not None and reason in error, (error, detail)
+
+
+def test_learned_positions_of_floating_tokens_run_on_a_later_stage():
+    """TrOCR's learned positions read `inputs_embeds[:, :, -1]`, a floating (batch, sequence) tensor: on a later
+    stage their placeholder has the hidden width, and the two stages' logits equal the plain model's."""
+    import copy
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type("trocr", 0)
+    plain = copy.deepcopy(case.model).eval()
+    inputs = dict(case.inputs)
+    ids = inputs.pop("input_ids")
+    with torch.no_grad():
+        want = plain(input_ids=ids, **inputs).logits
+    pipe = hp.pipeline(case.model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    pipe.eval()
+    torch.testing.assert_close(pipe.eval_forward(ids, **inputs), want.float(), atol=1e-5, rtol=0)

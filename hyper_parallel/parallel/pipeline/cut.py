@@ -198,7 +198,8 @@ def find_structure(model: nn.Module) -> Structure:
                 last.append(path)
             else:
                 first.append(path)
-    if not any(head is _get(model, p) for p in last):
+    # the head itself or a module holding it (BERT-generation's lm_head.decoder inside its lm_head)
+    if not any(any(head is m for m in _get(model, p).modules()) for p in last):
         raise ValueError(f"pipeline: {name}'s output head is not a child of the modules above its layer list "
                          f"{layers_path}; the stage cutter cannot place it on the last stage")
     return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last))
@@ -688,9 +689,12 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         # a placeholder of the embeddings' shape (models scale their embeddings in place: CTRL; the hidden state
         # between layers may be wider: DeepSeek-V4's residual streams)
         local = received[0]
+        # (batch, sequence) first as the tokens are, whatever the layers' layout (XLNet's is sequence first)
         tail = carried.embed_tail
-        call["inputs_embeds"] = (torch.zeros_like(hidden_in) if tail is None or tail == tuple(local.shape[2:])
-                                 else _enter(local.new_zeros(tuple(local.shape[:2]) + tail), ids))
+        lead = tuple((ids.to_local() if isinstance(ids, DTensor) else ids).shape[:2])
+        call["inputs_embeds"] = (torch.zeros_like(hidden_in) if (tail is None or tail == tuple(local.shape[2:]))
+                                 and lead == tuple(local.shape[:2])
+                                 else _enter(local.new_zeros(lead + (tail or tuple(local.shape[2:]))), ids))
         if state.placeholder_fill:
             call["inputs_embeds"] = call["inputs_embeds"] + state.placeholder_fill
     else:
@@ -722,8 +726,9 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         if (hidden is not None and hidden.ndim >= 2 and hidden.shape[0] == ids.shape[0]
                 and hidden.shape[1] != ids.shape[1]):
             raise ValueError(f"pipeline: {type(self).__mro__[1].__name__} hands its layers a sequence of "
-                             f"{hidden.shape[1]} positions for {ids.shape[1]} tokens (image features joined to the "
-                             f"tokens before the layers: GIT); a later stage rebuilds its masks and positions from "
+                             f"{hidden.shape[1]} positions for {ids.shape[1]} tokens (the layers' sequence is not "
+                             f"the tokens': image features or prompt positions joined to them, or patches of them: "
+                             f"GIT, CPM-Ant, BLT); a later stage rebuilds its masks and positions from "
                              f"the tokens and cannot run on the longer sequence: use dp/tp for this model")
         carry_spec, pieces = _encode(captured, call, ids, hidden, layer_kwargs or {}, state.first_layer_shapes)
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail)
@@ -804,8 +809,8 @@ def _encode(captured: dict, call: dict, ids, hidden, layer_kwargs: dict,
     for name, value in captured.items():
         if name in ("input_ids", "inputs_embeds", "use_cache") or value is None:
             continue
-        if name in _EVERY_STAGE_INPUTS and name in call and value is call[name]:
-            continue  # the caller's own input, which every stage gets (the others only the first stage: carried)
+        if name in call and value is call[name]:
+            continue  # the caller's own input, which every stage gets
         if isinstance(value, (bool, int, float, str)):
             constants.append((name, value))
         elif isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (batch, seq):
