@@ -364,27 +364,41 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
 ORDER_HIDDEN = 8
 
 
-# the causal LM around a source's `Decoder` (its constructor's arguments are the model's after the config)
-_CAUSAL_LM = ["class Model(nn.Module):", "    def __init__(self, config, *args):",
-              "        super().__init__()", "        self.config = config", "        self.model = Decoder(*args)",
-              f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
-              "    def get_input_embeddings(self):", "        return self.model.embed", "",
-              "    def get_output_embeddings(self):", "        return self.lm_head", "",
-              "    def get_decoder(self):", "        return self.model", "",
-              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):",
-              "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
-              "attention_mask=attention_mask)[0]", "        return (self.lm_head(hidden),)", ""]
+def _causal_lm(shift: int | None = None) -> list:
+    """The source of a causal LM around a source's `Decoder` (its constructor's arguments are the model's after
+    the config). `shift`: its forward takes labels= and returns its own loss, the cross-entropy against the
+    labels shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's)."""
+    lines = ["class Model(nn.Module):", "    def __init__(self, config, *args):",
+             "        super().__init__()", "        self.config = config", "        self.model = Decoder(*args)",
+             f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
+             "    def get_input_embeddings(self):", "        return self.model.embed", "",
+             "    def get_output_embeddings(self):", "        return self.lm_head", "",
+             "    def get_decoder(self):", "        return self.model", "",
+             "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):",
+             "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
+             "attention_mask=attention_mask)[0]", "        logits = self.lm_head(hidden)"]
+    if shift is None:
+        return lines + ["        return (logits,)", ""]
+    return lines + ["        if labels is None:", "            return CausalLMOutput(logits=logits)",
+                    f"        target = torch.nn.functional.pad(labels, (0, {shift}), value=-100)[:, {shift}:]",
+                    "        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), "
+                    "target.reshape(-1), ignore_index=-100)", "        return CausalLMOutput(loss=loss, logits=logits)",
+                    ""]
 
 
-def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False):
+def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False,
+                   stream: bool = False, shift: int | None = None):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
     list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
     reads a transformers model's. `side`: every layer is also handed a per-token input computed from the
-    embeddings before the loop (half their width, so not the hidden state's shape)."""
-    import importlib.util
+    embeddings before the loop (half their width, so not the hidden state's shape). `stream`: the embeddings are
+    added to the layer list's output again behind it (a second stream beside the layers, as HRM's high-level
+    state). `shift`: the forward takes labels= and returns its own loss, the cross-entropy against the labels
+    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's)."""
     import transformers
-    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
+    lines = ["import torch", "from torch import nn", "from transformers.modeling_outputs import CausalLMOutput", "",
+             "class Layer(nn.Module):", "    def __init__(self):",
              "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})", "",
              "    def forward(self, x, side=None):",
              "        return torch.tanh(self.linear(x) + (0 if side is None else side.repeat(1, 1, 2)))", "",
@@ -401,9 +415,10 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in before]
     lines += [f"        side = inputs_embeds[..., :{ORDER_HIDDEN // 2}] * 2" if side else "        side = None"]
     lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
+    lines += ["        x = x + inputs_embeds"] if stream else []
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
-    lines += ["        return (x,)", ""] + _CAUSAL_LM
-    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side)))
+    lines += ["        return (x,)", ""] + _causal_lm(shift)
+    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift)))
     module = _module_from_source(lines, f"ordered_{key}")
     torch.manual_seed(seed)
     return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
@@ -507,7 +522,7 @@ def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
              "            state = new_state if 'state' in features else None",
              "            x = new_x",
              "        x = x if stack is None else x + stack.mean(-2)",
-             "        return (x,)", ""] + _CAUSAL_LM
+             "        return (x,)", ""] + _causal_lm()
     module = _module_from_source(lines, f"stateful_{'_'.join(features) or 'none'}_{n_layers}")
     torch.manual_seed(seed)
     return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), features, n_layers)
@@ -539,6 +554,60 @@ def test_per_layer_input_derived_anew_from_the_embeddings_is_refused():
     ids, labels = batch()
     with pytest.raises(ValueError, match="stage 1 of Model runs on placeholders.*its layer 3 gets 'argument 2'"):
         pipe.step(ids, labels=labels)
+
+
+def _step_error(rank, world, options):
+    """Worker: one pp=2 step of `_ordered_model(**options)`; the error this rank raised (None: it trained), and
+    its loss."""
+    import hyper_parallel as hp
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options),
+                       hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b", n_microbatches=2)
+    ids, labels = batch()
+    try:
+        return None, float(pipe.step(ids, labels=labels))
+    except ValueError as e:
+        return str(e), None
+
+
+def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
+    """A decoder that adds its embeddings to the layer list's output behind it (a second stream, as HRM's
+    high-level state) would train the last stage on its placeholder embeddings without an error: the dry run
+    sees that stage's result change with the placeholders' value and every rank raises the same refusal
+    (before the schedule: no rank waits on another); the same model without the stream trains as one process."""
+    errors = [error for error, _ in dist2.run(_step_error, {"stream": True})]
+    assert all(e is not None and "gives another result when its placeholders" in e for e in errors), errors
+    assert errors[0] == errors[1]
+    plain = _ordered_model(["embed", "layers"], [], [], 4, seed=0)
+    ids, labels = batch()
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    want = torch.nn.functional.cross_entropy(plain(input_ids=ids)[0].reshape(-1, VOCAB), shift.reshape(-1),
+                                             ignore_index=-100)
+    for error, loss in dist2.run(_step_error, {}):
+        assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
+
+
+def test_pp2_model_whose_own_loss_is_not_the_shifted_one_is_refused_on_every_rank(dist2):
+    """A model whose own loss labels each token with its own label (TrOCR's unshifted cross-entropy) trains
+    another objective than the pipeline's shifted one: the dry run computes both on the last stage's logits and
+    every rank refuses; a model whose own loss is the shifted one trains, its loss the plain model's."""
+    errors = [error for error, _ in dist2.run(_step_error, {"shift": 0})]
+    assert all(e is not None and "own loss" in e and "shifted by one" in e for e in errors), errors
+    assert errors[0] == errors[1]
+    ids, labels = batch()
+    want = _ordered_model(["embed", "layers"], [], [], 4, seed=0, shift=1)(input_ids=ids, labels=labels).loss
+    for error, loss in dist2.run(_step_error, {"shift": 1}):
+        assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
+
+
+def test_batch_packed_in_one_row_is_refused_naming_n_microbatches():
+    """An input packing every sample's image patches into one row (MiniCPM-V's NaViT pixel_values, (1, ...))
+    cannot be cut into micro-batches along dim 0: refused at the feed, saying what to use instead."""
+    import hyper_parallel as hp
+    pipe = hp.pipeline(tiny_model("llama"), hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    ids, labels = batch()
+    with pytest.raises(Exception, match="packs the whole batch into one row.*n_microbatches=1"):
+        pipe.step(ids, labels=labels, pixel_values=torch.zeros(1, 3, 4, 64))
 
 
 def pipeline_census_type(rank, world, model_type):
@@ -595,3 +664,41 @@ def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model
             torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
             held[name] = grad
     assert set(held) == set(plain), sorted(set(plain) ^ set(held))
+
+
+def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
+    """BERT-generation's head is lm_head.decoder, inside the lm_head the last stage runs: pp=2 trains it as one
+    process (loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, "bert-generation"):
+        assert error is None and equal, (error, detail)
+
+
+@pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
+                                               ("trocr", "own loss"), ("hrm_text", "placeholders"),
+                                               ("xlnet", "own loss")])
+def test_pp2_census_types_that_cannot_be_cut_are_refused_on_every_rank(dist2, model_type, reason):
+    """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), TrOCR's and
+    XLNet's own losses are unshifted (XLNet's later stage runs on its sequence-first layout, placeholders
+    batch first), HRM adds its embeddings to its stacks' output (a second stream): each refused with its reason
+    on both ranks, not trained wrong."""
+    results = dist2.run(pipeline_census_type, model_type)
+    for equal, error, detail in results:
+        assert not equal and error is not None and reason in error, (error, detail)
+
+
+def test_learned_positions_of_floating_tokens_run_on_a_later_stage():
+    """TrOCR's learned positions read `inputs_embeds[:, :, -1]`, a floating (batch, sequence) tensor: on a later
+    stage their placeholder has the hidden width, and the two stages' logits equal the plain model's."""
+    import copy
+    import hyper_parallel as hp
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type("trocr", 0)
+    plain = copy.deepcopy(case.model).eval()
+    inputs = dict(case.inputs)
+    ids = inputs.pop("input_ids")
+    with torch.no_grad():
+        want = plain(input_ids=ids, **inputs).logits
+    pipe = hp.pipeline(case.model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                       stages_per_rank=2, n_microbatches=2)
+    pipe.eval()
+    torch.testing.assert_close(pipe.eval_forward(ids, **inputs), want.float(), atol=1e-5, rtol=0)

@@ -182,9 +182,10 @@ OVERRIDES.update({
                         {"text_config.sliding_window": 4, "text_config.num_sliding_attention_heads": 4,
                          "text_config.share_expert_dim": 128}),
     "hrm_text": Override("num_hidden_layers counts the stack's layers over all its cycles "
-                         "(layers per stack x H_cycles x (L_cycles + 1)); one layer a stack, one cycle of each",
-                         {"num_layers_per_stack": 1, "H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1],
-                          "num_hidden_layers": 2}),
+                         "(layers per stack x H_cycles x (L_cycles + 1)); two layers a stack (a pipeline cuts a stack's "
+                         "layer list), one cycle of each",
+                         {"num_layers_per_stack": 2, "H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1],
+                          "num_hidden_layers": 4}),
     "autoformer": Override("the decoder starts from the last label_length steps of the context (10 by default): "
                            "no more than the tiny context has", {"label_length": 2}),
     "timesfm2_5": Override("a context of 16384 steps by default: a few patches", {"context_length": 128}),

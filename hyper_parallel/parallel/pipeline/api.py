@@ -316,7 +316,7 @@ class Pipeline:
             collectives.all_reduce_(valid, group)
         self._valid_tokens = 1.0 if valid.is_meta else max(float(valid), 1.0)   # meta (hp.plan): no values
         self._loss_scale = float(self.dp)
-        schedule = self._prepare(input_ids, inputs, train=True)
+        schedule = self._prepare(input_ids, inputs, train=True, labels=labels)
         losses: list = []
         args = (input_ids,) if self._has_first() else ()
         held = self._tied.hold_gradient(self.model) if self._tied is not None else None
@@ -381,6 +381,11 @@ class Pipeline:
             if not isinstance(value, torch.Tensor) or value.ndim == 0:
                 return (f"{call}: input {name!r} must be a tensor with the batch ({batch}) first; got "
                         f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
+            if value.shape[0] == 1 and batch > 1 and self.n_microbatches > 1:
+                return (f"{call}: input {name!r} of shape {tuple(value.shape)} packs the whole batch into one row "
+                        f"(image patches of every sample along one dimension: NaViT packing); the schedule cuts "
+                        f"every input into micro-batches along dim 0 and cannot give each micro-batch its samples' "
+                        f"part of it: use n_microbatches=1, or dp/tp for this model")
             if value.shape[0] != batch and value.shape[0] % self.n_microbatches:
                 return (f"{call}: input {name!r} of shape {tuple(value.shape)} has neither the batch ({batch}) "
                         f"first nor rows (images, patches) that divide into n_microbatches={self.n_microbatches} "
@@ -423,22 +428,22 @@ class Pipeline:
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         return total * (self._loss_scale / self._valid_tokens)
 
-    def _prepare(self, input_ids: torch.Tensor, inputs: dict, train: bool):
+    def _prepare(self, input_ids: torch.Tensor, inputs: dict, train: bool, labels: torch.Tensor | None = None):
         """The schedule for these inputs' shapes, and what the first stage carries besides the hidden state
         (cut.CarrySpec): found once per input shape by running the first stage on the first micro-batch
         (no gradients) and sent to the other stages, which receive its pieces positionally."""
         shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
         if self.pp > 1:
             if shapes not in self._carry_specs:
-                self._carry_specs[shapes] = self._probe(input_ids, inputs)
+                self._carry_specs[shapes] = self._probe(input_ids, inputs, labels)
             self._carry["spec"] = self._carry_specs[shapes]
         else:
             if len(self.stages) > 1 and shapes not in self._carry_specs:   # the dry run's checks of the cuts
-                self._carry_specs[shapes] = self._probe(input_ids, inputs)
+                self._carry_specs[shapes] = self._probe(input_ids, inputs, labels)
             self._carry.pop("spec", None)   # every stage here: the first stage's forward sets it
         return self._schedule(shapes, train)
 
-    def _probe(self, input_ids: torch.Tensor, inputs: dict):
+    def _probe(self, input_ids: torch.Tensor, inputs: dict, labels: torch.Tensor | None = None):
         """The first stage's CarrySpec on every pp rank, from a dry run of every stage in order on the first
         micro-batch (no gradients), each stage's output broadcast over the pp group to the next.
 
@@ -451,8 +456,10 @@ class Pipeline:
         first stage's modules) would run without an error and give a wrong result, so it is refused; and it
         runs every later stage a second time with random placeholders for the first stage's values
         (`cut.placeholder_problem`): what its layers get must not change, or something the stages do not
-        hand each other reaches them. Once per input shape; pieces are this rank's local pieces, as the
-        schedule sends them."""
+        hand each other reaches them (its output included: a second stream past the layers, HRM's).
+        With `labels`, the last stage also computes the model's own loss on the micro-batch, which must be the
+        pipeline's shifted token cross-entropy (`_own_loss_problem`).
+        Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
         micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
         views = {s.index: view for view, s in zip(self.stages, self.specs)}
         n_stages = self.specs[0].n_stages
@@ -476,6 +483,10 @@ class Pipeline:
                         _, scrambled = self._dry_run(views[index], state, received, micro, scramble=True)
                         problem = cut.placeholder_problem(prints, scrambled, type(self.model).__name__, index)
                         state.exit_inputs = exit_inputs
+                    if problem is None and index == n_stages - 1 and labels is not None and self.cp == 1:
+                        problem = self._own_loss_problem(views[index], state, received, micro,
+                                                         labels.tensor_split(self.n_microbatches)[0],
+                                                         type(self.model).__name__)
                     result = ("error", problem, index) if problem else \
                         ("ok", spec, None if index == n_stages - 1 else tuple(out), state.exit_inputs)
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
@@ -509,6 +520,33 @@ class Pipeline:
         finally:
             state.prints, state.scramble = None, None
         return out, prints
+
+    def _own_loss_problem(self, view: nn.Module, state: cut.StageState, received: tuple, micro: dict,
+                          labels: torch.Tensor, model_name: str) -> str | None:
+        """Why the model's own loss (its forward given labels=, on the last stage) is not the pipeline's loss, the
+        token cross-entropy against the labels shifted by one (transformers' causal-LM loss), or None: equal on the
+        probe's micro-batch, or not comparable (no loss, no valid label, a forward that takes no labels there).
+
+        Why: the pipeline computes the loss on the last stage's logits itself; a model whose own loss differs
+        (TrOCR's unshifted cross-entropy, label smoothing, an auxiliary term) would train on another objective
+        than one device does, with no error. Both losses come from the same forward's logits."""
+        state.own_loss = None
+        try:
+            logits, _ = self._dry_run(view, state, received, {**micro, cut.OWN_LOSS_LABELS: labels}, scramble=False)
+        except Exception:   # a forward that cannot take labels on this stage: nothing to compare
+            return None
+        own, state.own_loss = state.own_loss, None
+        shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        if not isinstance(own, torch.Tensor) or own.numel() != 1 or own.is_meta or not (shift != IGNORE_INDEX).any():
+            return None
+        mine = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1), ignore_index=IGNORE_INDEX)
+        if abs(float(own) - float(mine)) <= 1e-5 * max(1.0, abs(float(mine))):
+            return None
+        return (f"pipeline: {model_name}'s own loss ({float(own):.6g} on the first micro-batch) is not the token "
+                f"cross-entropy against the labels shifted by one ({float(mine):.6g}) that the pipeline computes on "
+                f"the last stage's logits (transformers' causal-LM loss): it labels tokens otherwise (unshifted labels, "
+                f"label smoothing, an auxiliary term), so the pipeline would train another objective; use dp/tp for "
+                f"this model")
 
     def _share(self, result, index: int, owner: int):
         """The probe's result for stage `index`, from its owner (a broadcast over the pp group)."""

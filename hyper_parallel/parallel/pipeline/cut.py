@@ -214,7 +214,8 @@ def find_structure(model: nn.Module) -> Structure:
         for param_name, param in module._parameters.items():
             if param is not None and (param_name in named_before) != (param_name in named_after):
                 (first_params if param_name in named_before else last_params).append(_join(holder, param_name))
-    if not any(head is _get(model, p) for p in last):
+    # the head itself or a module holding it (BERT-generation's lm_head.decoder inside its lm_head)
+    if not any(any(head is m for m in _get(model, p).modules()) for p in last):
         raise ValueError(f"pipeline: {name}'s output head is not a child of the modules above its layer list "
                          f"{layers_path}; the stage cutter cannot place it on the last stage")
     containers = tuple((path, isinstance(_get(model, path), nn.ModuleDict), tuple(_get(model, path)._modules))
@@ -449,9 +450,11 @@ def layer_attributes(model: nn.Module, structure: Structure) -> list[dict]:
 class _Absent(nn.Module):
     """On a later stage, a module of the first stage that the decoder stack still calls before its layers
     (GPT-2's position embeddings, Gemma 3n's per-layer projection): placeholders of the shape it gave on the
-    first stage, per token (`CarrySpec.part_tails`); where that is not known, zeros of the hidden width for
-    integer inputs, the input itself for floating ones (an embedding norm). Whatever it gives is replaced by
-    the carried values at the stage's first layer, or is refused by the probe where the stage depends on it."""
+    first stage, per token (`CarrySpec.part_tails`); where that is not known, placeholders of the hidden width
+    for integer inputs and for floating (batch, sequence) ones (TrOCR's learned positions read
+    `inputs_embeds[:, :, -1]`), the input itself for floating ones with a width (an embedding norm). Whatever
+    it gives is replaced by the carried values at the stage's first layer, or is refused by the probe where
+    the stage depends on it (`placeholder_problem`)."""
 
     def __init__(self, state: "StageState", path: str = ""):
         super().__init__()
@@ -469,7 +472,7 @@ class _Absent(nn.Module):
         dtype = x.dtype if x.is_floating_point() else hidden.dtype
         if tail is not None and x.ndim >= 2:
             return _placeholder(state, tuple(x.shape[:2]) + tail, dtype, hidden.device)
-        if x.is_floating_point():
+        if x.is_floating_point() and not (x.ndim == 2 and tuple(x.shape) == tuple(hidden.shape[:2])):
             return x
         return _placeholder(state, tuple(x.shape) + (hidden.shape[-1],), hidden.dtype, hidden.device)
 
@@ -499,6 +502,7 @@ def _placeholder(state: "StageState", shape: tuple, dtype, device) -> torch.Tens
 class CarrySpec:
     """What the first stage carries besides the hidden state, in order: (name, kind) entries, kind "bs" (a
     (batch, sequence, ...) tensor), "kbs" (a (k, batch, sequence, ...) tensor, carried with k last),
+    "b" (a (batch, ...) tensor of another length than the tokens': per-sample features),
     "dict:b:KEY" / "dict:none:KEY" (entry KEY of a dict of batch-first tensors, or None), "rows:M"
     (a list of (rows, hidden) tensors, the rows at the True positions of the carried mask M, carried dense);
     and the constants handed to the decoder stack."""
@@ -534,6 +538,7 @@ class StageState:
     layer_inject: dict | None = None   # name -> (kind, received tensor): the carried layer inputs (later stages)
     scramble: Any = None               # a torch.Generator: placeholders are random (the probe's second run)
     prints: list | None = None         # (layer, name, fingerprint) of what each own layer got (the probe)
+    own_loss: Any = None               # the model's own loss on the probe's micro-batch (last stage)
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -773,6 +778,9 @@ def _stage_class(cls: type) -> type:
 _EVERY_STAGE_INPUTS = ("attention_mask", "position_ids")
 
 
+# the probe's labels for the last stage, to compare the model's own loss with the pipeline's
+OWN_LOSS_LABELS = "_hp_own_loss_labels"
+
 # the whole batch's 3-D rotary positions, batch first: the schedule cuts every input into micro-batches on dim 0
 BATCH_POSITIONS = "_hp_batch_positions"
 _GRID_INPUTS = ("image_grid_thw", "video_grid_thw")
@@ -834,6 +842,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     spec = state.spec
     if BATCH_POSITIONS in inputs:   # this micro-batch's rows of the whole batch's positions (rows, batch, seq)
         inputs["position_ids"] = inputs.pop(BATCH_POSITIONS).movedim(0, 1)
+    own_labels = inputs.pop(OWN_LOSS_LABELS, None)
     call = {"input_ids": received[0] if spec.first and received else inputs.get("input_ids")}
     call.update((k, v) for k, v in inputs.items() if k != "input_ids")
     stage_feed = feed_of(self)
@@ -853,12 +862,20 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                               zip(carried.layer_entries, received[1 + n_entries:])}
         state.pending = hidden_in
         call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
+        # per-sample features the decoder stack is handed, which the model's forward takes in place of its towers'
+        # inputs (Kosmos-2's image_embeds for pixel_values): handed to it too, as one device's forward passes them on
+        call.update((name, state.inject[name]) for name, kind in carried.entries
+                    if kind == "b" and name in _parameters(state.forward))
+        if own_labels is not None and spec.last and not isinstance(ids, DTensor):
+            call["labels"] = own_labels   # the probe's check of the model's own loss (api._own_loss_problem)
         # a placeholder of the embeddings' shape (models scale their embeddings in place: CTRL; the hidden state
         # between layers may be wider: DeepSeek-V4's residual streams)
         local = received[0]
         tail = carried.embed_tail
-        # the tokens' (batch, sequence): the hidden state may lead with other dims (Gemma 3n's altup streams)
-        shape = tuple(local.shape) if tail is None else tuple(_leave(ids).shape[:2]) + tail
+        # (batch, sequence) first as the tokens are, whatever the layers' layout (XLNet's is sequence first; Gemma
+        # 3n's hidden state leads with its altup streams)
+        lead = tuple(_leave(ids).shape[:2])
+        shape = lead + (tail if tail is not None else tuple(local.shape[2:]))
         call["inputs_embeds"] = _enter(_placeholder(state, shape, local.dtype, local.device), ids)
     else:
         state.capture = {} if not spec.last else None
@@ -880,11 +897,20 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     if state.recording and hidden is not None:
         state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
     if spec.last:
+        if own_labels is not None:
+            state.own_loss = getattr(out, "loss", None)
         logits = getattr(out, "logits", None)
         if logits is None:
             logits = out[0] if isinstance(out, (tuple, list)) else out
         return _leave(logits)
     if spec.first:
+        if (hidden is not None and hidden.ndim >= 2 and hidden.shape[0] == ids.shape[0]
+                and hidden.shape[1] != ids.shape[1]):
+            raise ValueError(f"pipeline: {type(self).__mro__[1].__name__} hands its layers a sequence of "
+                             f"{hidden.shape[1]} positions for {ids.shape[1]} tokens (the layers' sequence is not "
+                             f"the tokens': image features or prompt positions joined to them, or patches of them: "
+                             f"GIT, CPM-Ant, BLT); a later stage rebuilds its masks and positions from "
+                             f"the tokens and cannot run on the longer sequence: use dp/tp for this model")
         carry_spec, pieces = _encode(captured, call, ids)
         layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids)
         part_tails = tuple(sorted((k, v) for k, v in state.part_tails.items() if v is not None))
@@ -1031,6 +1057,12 @@ def _encode(captured: dict, call: dict, ids) -> tuple[CarrySpec, list]:
         elif isinstance(value, torch.Tensor) and value.ndim >= 3 and tuple(value.shape[1:3]) == (batch, seq):
             entries.append((name, "kbs"))
             pieces.append(value.movedim(0, -1))
+        elif (isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == batch
+              and not isinstance(ids, DTensor)):
+            # per sample, not per token (Kosmos-2's image embeddings, its text model scatters into its embeddings):
+            # carried whole where the tokens are plain tensors (no batch or sequence split to lay it out by)
+            entries.append((name, "b"))
+            pieces.append(value)
         elif (isinstance(value, dict) and value and not isinstance(ids, DTensor)
               and all(v is None or isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch
                       for v in value.values())):
@@ -1045,7 +1077,7 @@ def _encode(captured: dict, call: dict, ids) -> tuple[CarrySpec, list]:
         else:
             raise ValueError(f"pipeline: the decoder stack is handed {name!r} ({type(value).__name__} "
                              f"{tuple(getattr(value, 'shape', ()))}) computed before the decoder layers; the stage "
-                             f"cutter carries (batch, sequence, ...) tensors to later stages and cannot carry this")
+                             f"cutter carries (batch, ...) tensors to later stages and cannot carry this")
     for name, value in lists:
         rows = value[0].shape[0]
         mask = next((m for m, t in masks.items() if int(t.sum()) == rows), None)
@@ -1074,6 +1106,9 @@ def _decode(carry: CarrySpec, pieces: Sequence[torch.Tensor], ids, hidden) -> di
             _, mask, n = kind.split(":")
             dense_lists.append((name, mask, [_enter(next(it), ids) for _ in range(int(n))]))
             continue
+        if kind == "b":
+            out[name] = next(it)
+            continue
         value = _enter(next(it), ids)
         out[name] = value.movedim(-1, 0) if kind == "kbs" else value
     for name, mask, dense in dense_lists:
@@ -1101,6 +1136,14 @@ def _leave(t: torch.Tensor) -> torch.Tensor:
             t = t.redistribute(t.dist_layout.without_partial())
         return t.to_local()
     return t
+
+
+def _parameters(forward) -> tuple:
+    """The names of `forward`'s own parameters (not what a **kwargs takes)."""
+    try:
+        return tuple(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def accepts(forward, name: str) -> bool:
