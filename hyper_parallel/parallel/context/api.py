@@ -15,7 +15,7 @@ from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
 from .attention import HELD_ORDER, INDEX_MASK, METHODS, ContextSettings, register_attention, split_over_axis
 from .multimodal import check_language_model, language_model_of, split_at_language_model
-from .own_attention import own_attention_problem
+from .own_attention import own_attention_problem, score_bias_problem
 from .scan_layers import run_whole, scan_layer_types, scan_layers
 from .zigzag import reorder, token_index, zigzag_slice
 
@@ -50,54 +50,71 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
         raise ValueError(f"context_parallel: method must be one of {METHODS}, got {method!r}")
     settings = ContextSettings(mesh, axis, method)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if method == "ulysses":
-        _check_heads_divide(config, mesh, settings)
     if getattr(model.config, "is_encoder_decoder", False):   # Florence-2, UDOP, T5Gemma2, VisionEncoderDecoder
         raise ValueError(f"context_parallel: {type(model).__name__} is an encoder-decoder model "
                          f"(config.is_encoder_decoder): its decoder inputs are the labels shifted right and its "
                          f"cross-attention reads the encoder's sequence, neither of which the sequence split keeps "
                          f"exact; run this model without context parallelism (dp, tp or hsdp)")
-    sparse = sorted({t for t in getattr(config, "layer_types", None) or () if t in _SPARSE_ATTENTION})
-    if sparse:   # DeepSeek-V3.2's indexer picks the keys each query sees, from a 4-D mask of the whole sequence
-        raise ValueError(f"context_parallel: the config's layer_types include {sparse} (sparse attention: an indexer "
-                         f"selects the keys each query attends to), which the context-parallel attention does not "
-                         f"compute; run this model without context parallelism")
-    if getattr(config, "attention_chunk_size", None):   # Llama 4: the mask builder's chunks, not a window
-        raise ValueError(f"context_parallel: attention_chunk_size={config.attention_chunk_size} (chunked "
-                         f"attention) is not supported; run this model without context parallelism")
     language = language_model_of(model)
     if language is not None:
         check_language_model(language)  # before anything changes: a refusal leaves the model as it was
     decoder = language if language is not None else model.base_model   # the modules that get the split sequence
     # layers that mix the sequence by a scan (linear attention, state-space, short convolutions) run whole
     scans = scan_layers(decoder, config) if scan_layer_types(config) else []
-    # attention code of its own (Bloom, GPT-Neo, ...), a bias in its own 4-D mask, cross-attention, positions from
-    # ids: wrong on a split sequence (a scan layer runs whole, whatever it holds; an axis of size 1 splits nothing)
-    problem = own_attention_problem(decoder, config, scans)
-    if problem and settings.parts > 1:
+    # what the registered attention cannot take over: attention code of its own (Bloom, GPT-Neo, ...), a bias in its
+    # own 4-D mask, positions from ids, sparse (indexed) attention, chunked attention (a scan layer runs whole,
+    # whatever it holds; an axis of size 1 splits nothing)
+    problem = (own_attention_problem(decoder, config, scans) or score_bias_problem(scans)
+               or _attention_kind_problem(config))
+    if problem and settings.parts > 1 and language is not None:
         raise ValueError(f"context_parallel: {type(model).__name__}: {problem}; run this model without context "
                          "parallelism")
+    settings.contiguous = bool(problem)
+    if method == "ulysses" and not settings.contiguous:
+        _check_heads_divide(config, mesh, settings)
     lay_out_parameters(model, lambda name, p: None, default=replicated_elsewhere(mesh), where="context_parallel")
     if settings.parts == 1:  # one rank holds the whole sequence: the model's own attention is exact
         record_applied(model, f"cp: axis {axis!r} of size 1, the sequence is not split")
         return model
-    # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
-    # and runs as on one device (a plain string would be set on the text config's sub-configs too, where the
-    # text config is the model's own: Git's, Kimi-K2.5's)
-    config._attn_implementation = {"": register_attention(settings)}
-    run_whole(settings, scans)
+    if not settings.contiguous:
+        # only the language model's attention: a vision / audio tower (its own sub-config) keeps its implementation
+        # and runs as on one device (a plain string would be set on the text config's sub-configs too, where the
+        # text config is the model's own: Git's, Kimi-K2.5's)
+        config._attn_implementation = {"": register_attention(settings)}
+        run_whole(settings, scans)
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
     model.register_forward_hook(whole_logits_when_cached)
     if language is None:
         model.base_model.register_forward_hook(functools.partial(plain_order_outputs, settings))
     else:
         split_at_language_model(language, settings)
+    record_applied(model, _applied_note(settings, config, language, scans, problem))
+    return model
+
+
+def _attention_kind_problem(config) -> str | None:
+    """Why the registered attention cannot compute this config's attention layers, or None: sparse attention
+    (DeepSeek-V3.2's indexer picks the keys each query sees), chunked attention (Llama 4)."""
+    sparse = sorted({t for t in getattr(config, "layer_types", None) or () if t in _SPARSE_ATTENTION})
+    if sparse:
+        return f"the config's layer_types include {sparse} (sparse attention: an indexer selects the keys of each query)"
+    if getattr(config, "attention_chunk_size", None):
+        return f"attention_chunk_size={config.attention_chunk_size} (chunked attention)"
+    return None
+
+
+def _applied_note(settings: ContextSettings, config, language, scans: list, problem: str | None) -> str:
+    """The summary line of what `context_parallel` did."""
+    axis, parts = settings.axis, settings.parts
+    if settings.contiguous:
+        return (f"cp: sequence split over {axis!r} in order ({parts} ranks, rank i holds the i-th of {parts} "
+                f"chunks); attention by the model's own code through the dispatcher, which gathers the keys and "
+                f"values each query block needs (method {settings.method!r} not used: {problem})")
     where = "" if language is None else (f" at the entry of {type(language).__name__} (the towers and 3-D "
                                          "positions whole, as on one device)")
     whole = f"; {len(scans)} scan layers ({', '.join(scan_layer_types(config))}) run whole" if scans else ""
-    record_applied(model, f"cp: sequence split over {axis!r}{where} ({settings.parts} ranks, {method}, "
-                          f"rank i holds chunks i and {2 * settings.parts - 1}-i{whole})")
-    return model
+    return (f"cp: sequence split over {axis!r}{where} ({parts} ranks, {settings.method}, "
+            f"rank i holds chunks i and {2 * parts - 1}-i{whole})")
 
 
 # layer kinds whose attention selects or compresses keys (DeepSeek-V3.2 / V4, GLM-5 DSA): refused at the call
@@ -137,7 +154,7 @@ class SequenceSplit:
         """Why these inputs cannot be split over the axis (decided from shapes, before anything runs)."""
         cache = cache_of(inputs)
         if cache is not None:
-            problem = cache_problem(cache)
+            problem = cache_problem(cache, self.settings.contiguous)
             if problem or holds_tokens(cache):
                 return problem  # a decoding step (the cache holds keys already) is not split
         ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
@@ -146,13 +163,16 @@ class SequenceSplit:
         if ref.ndim < 2:
             return f"context_parallel: input_ids/inputs_embeds need a batch and a sequence dim, got shape {tuple(ref.shape)}"
         batch, seq_len, parts = ref.shape[0], ref.shape[SEQ_DIM], self.settings.parts
-        if seq_len % (2 * parts):
+        chunks = 1 if self.settings.contiguous else 2
+        if seq_len % (chunks * parts):
+            multiple = chunks * parts
             pad = (f"left-pad the prompts, tokenizer(..., padding=True, padding_side='left', pad_to_multiple_of="
-                   f"{2 * parts}), with attention_mask 0 on the padding" if cache is not None else
-                   f"pad the batch, e.g. tokenizer(..., padding=True, pad_to_multiple_of={2 * parts}), with "
+                   f"{multiple}), with attention_mask 0 on the padding" if cache is not None else
+                   f"pad the batch, e.g. tokenizer(..., padding=True, pad_to_multiple_of={multiple}), with "
                    "attention_mask 0 and labels -100 on the padding")
-            return (f"context_parallel: the sequence length {seq_len} must be a multiple of 2 x "
-                    f"{self.settings.axis!r} size = {2 * parts} (each rank holds two chunks); {pad}")
+            held = "each rank holds two chunks" if chunks == 2 else "each rank holds one chunk"
+            return (f"context_parallel: the sequence length {seq_len} must be a multiple of "
+                    f"{'2 x ' if chunks == 2 else ''}{self.settings.axis!r} size = {multiple} ({held}); {pad}")
         positions = inputs.get("position_ids")
         # a multimodal model's 3-D rotary positions (rows, batch, seq)
         rows = not self.split_here and isinstance(positions, Tensor) and positions.ndim == 3
@@ -232,13 +252,17 @@ _SCAN_CACHE_LAYERS = ("LinearAttentionLayer", "LinearAttentionAndFullAttentionLa
                       "LinearAttentionAndSlidingWindowAttentionLayer", "DummyLayer")
 
 
-def cache_problem(cache) -> str | None:
+def cache_problem(cache, contiguous: bool = False) -> str | None:
     """Why context parallelism cannot fill or decode over this KV cache, or None: it fills transformers'
     DynamicCache (generate's default) through its layers' own `update`, which a full or sliding-window layer
     makes as on one device (and a linear-attention layer's states, its layer run whole); a static or quantized
-    cache, or layers of another kind, are refused."""
+    cache, or layers of another kind, are refused. With the sequence split in order (`contiguous`), what a
+    layer kind stores beyond the keys and values it `update`s (an indexer's keys) is a DTensor in the plain
+    order, which the decoding steps read through the dispatcher: any DynamicCache's layers then do."""
     from transformers import cache_utils as cu
     DynamicCache = cu.DynamicCache
+    if contiguous and isinstance(cache, DynamicCache) and type(cache).update is DynamicCache.update:
+        return None
     kinds = (cu.DynamicLayer, cu.DynamicSlidingWindowLayer) + tuple(getattr(cu, n) for n in _SCAN_CACHE_LAYERS
                                                                      if hasattr(cu, n))
     layers = {type(layer).__name__ for layer in getattr(cache, "layers", ()) if type(layer) not in kinds}
@@ -267,6 +291,11 @@ def split_sequence(settings: ContextSettings, kwargs: dict, ref: Tensor) -> None
     as packed sequences)."""
     settings.split_pending, settings.attention_calls = True, 0
     settings.filling = fill_whole(settings, cache_of(kwargs))
+    if settings.contiguous:   # the plain order: the model's own positions and masks stay right as they are
+        for name in ("inputs_embeds", "input_ids"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = split(settings, kwargs[name], zigzag=False)
+        return
     seq_len = ref.shape[SEQ_DIM]
     plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
     if kwargs.get("position_ids") is None:
@@ -302,6 +331,9 @@ def _update_whole(settings: ContextSettings, cache, keys, values, layer_idx: int
     update = type(cache).update
     if settings.filling is not cache or settings.whole_layer:   # a scan layer's keys come whole, plain order
         return update(cache, keys, values, layer_idx, *args, **kwargs)
+    if settings.contiguous:   # in the plain order already: whole over the axis, however the dispatcher laid them out
+        update(cache, _whole_over_axis(settings, keys), _whole_over_axis(settings, values), layer_idx, *args, **kwargs)
+        return keys, values
     if not (split_over_axis(settings, keys) and split_over_axis(settings, values)):
         raise ValueError(f"context_parallel: the keys/values layer {layer_idx} caches are not split on their "
                          f"sequence dim (2) over {settings.axis!r}, so the KV cache cannot be filled as one "
@@ -310,6 +342,15 @@ def _update_whole(settings: ContextSettings, cache, keys, values, layer_idx: int
     split = keys.shape[-1]
     update(cache, kv[..., :split], kv[..., split:], layer_idx, *args, **kwargs)
     return keys, values
+
+
+def _whole_over_axis(settings: ContextSettings, t):
+    """`t` replicated over the axis (its other splits kept), or `t` itself when it is not split over it."""
+    if not isinstance(t, DTensor):
+        return t
+    layout = t.dist_layout
+    tensor_map = tuple(tuple(a for a in axes if a != settings.axis_index) for axes in layout.tensor_map)
+    return t if tensor_map == tuple(layout.tensor_map) else t.redistribute(layout.with_map(tensor_map, layout.partial))
 
 
 def whole_in_plain_order(settings: ContextSettings, t: DTensor, dim: int) -> DTensor:
@@ -383,7 +424,7 @@ def _split_layout(settings: ContextSettings, layout, dim: int):
 
 def plain_order(settings: ContextSettings, t):
     """A sequence-split DTensor from the zigzag order back to the plain one (anything else as it is)."""
-    if not isinstance(t, DTensor) or t.ndim < 2 or t.dist_layout.tensor_map[SEQ_DIM] != (settings.axis_index,):
+    if settings.contiguous or not isinstance(t, DTensor) or t.ndim < 2 or t.dist_layout.tensor_map[SEQ_DIM] != (settings.axis_index,):
         return t
     local = reorder(t.to_local(), SEQ_DIM, settings.group, settings.rank, settings.parts, to_zigzag=False)
     return DTensor.from_local(local, t.dist_layout, shape=t.shape)
@@ -399,7 +440,7 @@ def plain_order_outputs(settings: ContextSettings, module: nn.Module, args, outp
         if settings.filling is not None:  # the cache's own `update` again
             settings.filling.__dict__.pop("update", None)
             settings.filling = None
-        if not settings.attention_calls:
+        if not settings.attention_calls and not settings.contiguous:
             raise ValueError(f"context_parallel: {type(module).__name__} split its sequence over "
                              f"{settings.axis!r} but none of its layers attended through transformers' attention "
                              f"interface (a recurrent scan, or attention code of its own), so the split would "

@@ -55,6 +55,9 @@ class ContextSettings:
     filling: object = field(init=False, default=None)
     # inside a layer that runs whole (scan_layers.py): its attention, if any, is one device's over the whole sequence
     whole_layer: bool = field(init=False, default=False)
+    # the sequence split in order (rank i holds the i-th n-th), not load-balanced, and the model's attention left to
+    # its own code through the dispatcher: for models whose attention the registered function cannot take over
+    contiguous: bool = False
 
     def __post_init__(self):
         self.axis_index = self.mesh.axis_index(self.axis)

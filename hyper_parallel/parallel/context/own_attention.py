@@ -105,8 +105,27 @@ def own_attention_problem(root: nn.Module, text_config, whole: list | tuple = ()
             return (f"{cls.__name__} ({name}) computes attention with code of its own, not through "
                     "transformers' attention interface (so its scores and masks follow the split tensor's "
                     "positions, not the tokens')")
-        if _MASK_4D.search(source) or "position_bias" in source:
-            return (f"{cls.__name__} ({name}) builds a 4-D score mask of its own (a learned or relative "
-                    "position bias added to the attention scores), which context-parallel attention does not "
-                    "compute")
+        problem = _score_bias_problem(cls, name, source)
+        if problem:
+            return problem
+    return None
+
+
+def _score_bias_problem(cls: type, name: str, source: str) -> str | None:
+    if _MASK_4D.search(source) or "position_bias" in source:
+        return (f"{cls.__name__} ({name}) builds a 4-D score mask of its own (a learned or relative "
+                "position bias added to the attention scores), which context-parallel attention does not "
+                "compute")
+    return None
+
+
+def score_bias_problem(layers: list | tuple) -> str | None:
+    """Why the attention inside these layers (scan layers, which run whole) would hand the registered attention a
+    bias of its own to add to the scores (Inkling's relative `position_bias`), or None."""
+    for layer in layers:
+        for name, module in layer.named_modules():
+            if _is_attention_leaf(module):
+                problem = _score_bias_problem(type(module), name, _source(type(module)))
+                if problem:
+                    return problem
     return None
