@@ -13,7 +13,7 @@ from ...layout.mesh import DeviceMesh
 from .. import feed
 from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
-from .attention import HELD_ORDER, INDEX_MASK, METHODS, ContextSettings, register_attention, split_over_axis
+from .attention import HELD_ORDER, INDEX_MASK, METHODS, ContextSettings, register_attention
 from .multimodal import check_language_model, language_model_of, split_at_language_model
 from .own_attention import own_attention_problem, score_bias_problem
 from .scan_layers import run_whole, scan_layer_types, scan_layers
@@ -85,11 +85,24 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
     model.register_forward_hook(whole_logits_when_cached)
     if language is None:
-        model.base_model.register_forward_hook(functools.partial(plain_order_outputs, settings))
+        _hidden_state_module(model).register_forward_hook(functools.partial(plain_order_outputs, settings))
     else:
         split_at_language_model(language, settings)
     record_applied(model, _applied_note(settings, config, language, scans, problem))
     return model
+
+
+def _hidden_state_module(model: nn.Module) -> nn.Module:
+    """The module whose output is the hidden states the head reads: the decoder `get_decoder()` names where it sits
+    inside the base model (OPT's head calls `model.decoder` itself, past the base model's forward), else the base
+    model."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = None
+    if isinstance(decoder, nn.Module) and any(decoder is m for m in model.base_model.modules()):
+        return decoder
+    return model.base_model
 
 
 def _attention_kind_problem(config) -> str | None:
@@ -296,7 +309,7 @@ def split_sequence(settings: ContextSettings, kwargs: dict, ref: Tensor) -> None
             if kwargs.get(name) is not None:
                 kwargs[name] = split(settings, kwargs[name], zigzag=False)
         return
-    seq_len = ref.shape[SEQ_DIM]
+    seq_len = settings.seq_len = ref.shape[SEQ_DIM]
     plain_positions = torch.arange(seq_len, device=ref.device).unsqueeze(0)
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = plain_positions
@@ -334,14 +347,22 @@ def _update_whole(settings: ContextSettings, cache, keys, values, layer_idx: int
     if settings.contiguous:   # in the plain order already: whole over the axis, however the dispatcher laid them out
         update(cache, _whole_over_axis(settings, keys), _whole_over_axis(settings, values), layer_idx, *args, **kwargs)
         return keys, values
-    if not (split_over_axis(settings, keys) and split_over_axis(settings, values)):
-        raise ValueError(f"context_parallel: the keys/values layer {layer_idx} caches are not split on their "
-                         f"sequence dim (2) over {settings.axis!r}, so the KV cache cannot be filled as one "
-                         "device's; generate with the model before context_parallel")
+    # split on the sequence over the axis, or whole over it (GPT-2's and OPT's projections flatten (batch, seq),
+    # which the dispatcher gathers): a DTensor's global sequence is the held (zigzag) order either way
+    if not all(isinstance(t, DTensor) and t.ndim == 4 and t.shape[2] == settings.seq_len for t in (keys, values)):
+        raise ValueError(f"context_parallel: the keys/values layer {layer_idx} caches are not (batch, heads, "
+                         f"{settings.seq_len}, head_dim) DTensors of the split sequence (got {_described(keys)} and "
+                         f"{_described(values)}), so the KV cache cannot be filled as one device's; generate with "
+                         "the model before context_parallel")
     kv = whole_in_plain_order(settings, torch.cat([keys, values], -1), 2)
     split = keys.shape[-1]
     update(cache, kv[..., :split], kv[..., split:], layer_idx, *args, **kwargs)
     return keys, values
+
+
+def _described(t) -> str:
+    """A tensor's kind and shape, for an error."""
+    return f"{type(t).__name__} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _whole_over_axis(settings: ContextSettings, t):
@@ -354,12 +375,10 @@ def _whole_over_axis(settings: ContextSettings, t):
 
 
 def whole_in_plain_order(settings: ContextSettings, t: DTensor, dim: int) -> DTensor:
-    """A DTensor split on `dim` over the axis in the zigzag order, whole (replicated over the axis) and in the
-    plain order: one all-gather, then a local permutation; its other dims as they are."""
-    layout = t.dist_layout
-    tensor_map = list(layout.tensor_map)
-    tensor_map[dim] = ()
-    whole = t.redistribute(layout.with_map(tensor_map, layout.partial))  # the zigzag order
+    """A DTensor whose `dim` is the held (zigzag) order of the sequence, whole (replicated over the axis) and in
+    the plain order: one all-gather where it is split over the axis, then a local permutation; its other
+    splits as they are."""
+    whole = _whole_over_axis(settings, t)  # the zigzag order
     return whole.index_select(dim, settings.plain_order_index(t.shape[dim], t.to_local().device))
 
 

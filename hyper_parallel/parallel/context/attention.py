@@ -55,6 +55,8 @@ class ContextSettings:
     filling: object = field(init=False, default=None)
     # inside a layer that runs whole (scan_layers.py): its attention, if any, is one device's over the whole sequence
     whole_layer: bool = field(init=False, default=False)
+    # the sequence length of the last split forward (the KV cache fill checks what it stores against it)
+    seq_len: int = field(init=False, default=0)
     # the sequence split in order (rank i holds the i-th n-th), not load-balanced, and the model's attention left to
     # its own code through the dispatcher: for models whose attention the registered function cannot take over
     contiguous: bool = False
@@ -256,12 +258,9 @@ def _common_layout(settings, query, key, value, where, split: bool = True):
     """q, k, v in one layout: the sequence (dim 2) split over the axis (as q's is where not `split`), heads split
     as q's are where the key/value heads divide (else whole), batch as it comes, head_dim whole, no pending
     reduction."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if split and not split_over_axis(settings, t):
-            layout = t.dist_layout.alias_entries() if isinstance(t, DTensor) else "a plain tensor"
-            raise ValueError(f"{where}: {name} must be split on its sequence dim (2) over {settings.axis!r}, "
-                             f"got {layout}; call the model through context_parallel's pre-hook (whole inputs, "
-                             "or DTensors split on the sequence over the axis)")
+    if split:
+        query, key, value = (_split_again(settings, t, name, where)
+                             for name, t in (("query", query), ("key", key), ("value", value)))
     layout = query.dist_layout
     tensor_map = list(layout.tensor_map)
     tensor_map[3] = ()
@@ -269,6 +268,24 @@ def _common_layout(settings, query, key, value, where, split: bool = True):
         tensor_map[1] = ()
     target = layout.with_map(tensor_map, (None,) * layout.mesh.ndim)
     return tuple(t if t.dist_layout is target else t.redistribute(target) for t in (query, key, value))
+
+
+def _split_again(settings, t, name: str, where: str):
+    """`t` (b, heads, L, d) split on its sequence over the axis. A DTensor of the split forward whose sequence the
+    dispatcher gathered (GPT-2's and OPT's projections flatten (batch, seq) to one dim, which no split of one
+    dim holds) is whole over the axis in the held order: split again by its layout, a local slice (rank i's
+    piece of the held order is its zigzag chunks). A plain tensor, or one of another sequence length, is not
+    of the split sequence: refused."""
+    if split_over_axis(settings, t):
+        return t
+    if isinstance(t, DTensor) and t.ndim == 4 and t.shape[2] == settings.seq_len:
+        tensor_map = [tuple(a for a in axes if a != settings.axis_index) for axes in t.dist_layout.tensor_map]
+        tensor_map[2] = (settings.axis_index,)
+        return t.redistribute(t.dist_layout.with_map(tuple(tensor_map), t.dist_layout.partial))
+    layout = t.dist_layout.alias_entries() if isinstance(t, DTensor) else "a plain tensor"
+    raise ValueError(f"{where}: {name} must be split on its sequence dim (2) over {settings.axis!r}, "
+                     f"got {layout}; call the model through context_parallel's pre-hook (whole inputs, "
+                     "or DTensors split on the sequence over the axis)")
 
 
 def _all_index(ring: Ring) -> Tensor:
