@@ -66,9 +66,6 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
     # whatever it holds; an axis of size 1 splits nothing)
     problem = (own_attention_problem(decoder, config, scans) or score_bias_problem(scans)
                or _attention_kind_problem(config))
-    if problem and settings.parts > 1 and language is not None:
-        raise ValueError(f"context_parallel: {type(model).__name__}: {problem}; run this model without context "
-                         "parallelism")
     settings.contiguous = bool(problem)
     if method == "ulysses" and not settings.contiguous:
         _check_heads_divide(config, mesh, settings)
@@ -119,12 +116,12 @@ def _attention_kind_problem(config) -> str | None:
 def _applied_note(settings: ContextSettings, config, language, scans: list, problem: str | None) -> str:
     """The summary line of what `context_parallel` did."""
     axis, parts = settings.axis, settings.parts
-    if settings.contiguous:
-        return (f"cp: sequence split over {axis!r} in order ({parts} ranks, rank i holds the i-th of {parts} "
-                f"chunks); attention by the model's own code through the dispatcher, which gathers the keys and "
-                f"values each query block needs (method {settings.method!r} not used: {problem})")
     where = "" if language is None else (f" at the entry of {type(language).__name__} (the towers and 3-D "
                                          "positions whole, as on one device)")
+    if settings.contiguous:
+        return (f"cp: sequence split over {axis!r}{where} in order ({parts} ranks, rank i holds the i-th of {parts} "
+                f"chunks); attention by the model's own code through the dispatcher, which gathers the keys and "
+                f"values each query block needs (method {settings.method!r} not used: {problem})")
     whole = f"; {len(scans)} scan layers ({', '.join(scan_layer_types(config))}) run whole" if scans else ""
     return (f"cp: sequence split over {axis!r}{where} ({parts} ranks, {settings.method}, "
             f"rank i holds chunks i and {2 * parts - 1}-i{whole})")

@@ -11,6 +11,10 @@ splits its own inputs the way the text path splits a text model's: embeddings an
 order, global positions, a whole padding mask; the visual mask sliced the same way, the deepstack rows
 reduced to those whose positions this rank holds. The language model's output goes back to the plain order,
 where the head and the loss (labels split in the plain order at the top) take it.
+
+Where the language model's attention is of a kind the registered attention cannot take over (`api`'s
+`settings.contiguous`), its inputs are split in order instead and everything else it is handed stays whole:
+the model's own code runs on the split DTensors through the dispatcher.
 """
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ def split_at_language_model(language: nn.Module, settings: ContextSettings) -> N
     the deepstack features added on each rank's own piece of the sequence."""
     language.register_forward_pre_hook(functools.partial(_split_inputs, settings), with_kwargs=True)
     language.register_forward_hook(functools.partial(sequence.plain_order_outputs, settings))
-    if callable(getattr(language, "_deepstack_process", None)):
+    # split in order (attention by the model's own code): its deepstack addition runs through the dispatcher too
+    if not settings.contiguous and callable(getattr(language, "_deepstack_process", None)):
         language._deepstack_process = functools.partial(_local_deepstack, language._deepstack_process)
 
 
@@ -72,10 +77,14 @@ def _split_inputs(settings: ContextSettings, module: nn.Module, args: tuple, kwa
     if ref is None or sequence.decoding(kwargs):  # a decoding step of generate runs whole, as on one device
         return (), kwargs
     batch, seq_len = ref.shape[:2]
+    zigzag = not settings.contiguous
     for name, value in kwargs.items():  # e.g. Gemma4's per_layer_inputs (batch, seq, layers, dim)
         if name not in _NAMED and isinstance(value, Tensor) and value.ndim >= 2 \
                 and tuple(value.shape[:2]) == (batch, seq_len):
-            kwargs[name] = sequence.split(settings, value, zigzag=True)
+            kwargs[name] = sequence.split(settings, value, zigzag=zigzag)
+    if settings.contiguous:   # positions, masks and visual masks stay whole, in the plain order, as the code reads them
+        sequence.split_sequence(settings, kwargs, ref)
+        return (), kwargs
     visual = kwargs.get("visual_pos_masks")
     if visual is not None and kwargs.get(DEEPSTACK) is not None:
         kwargs[DEEPSTACK] = [_rows_of_rank(settings, rows, visual) for rows in kwargs[DEEPSTACK]]

@@ -7,7 +7,7 @@ load-balanced sequence. A layer that computes its scores with code of its own (B
 XGLM, TrOCR, OpenAI-GPT, BLIP's text decoder), that reads the mask as a 4-D score mask of its own to add a
 learned or relative bias to it (Doge's dynamic mask, Pix2Struct's position bias), that cross-attends another
 sequence (IDEFICS' image features), or a decoder that derives its positions from the token ids (Kosmos-2's
-padding-offset sinusoidal positions) would compute wrong values, or fail with a shape error deep inside,
+padding-offset sinusoidal positions) or counts them along the padding mask (OPT) would compute wrong values, or fail with a shape error deep inside,
 on a split sequence. They are refused when `context_parallel` is called, on every rank alike (the code is
 the same on every rank) and before anything communicates or changes, with the module and the reason.
 
@@ -19,6 +19,7 @@ run: its keys are another sequence's, whole, and each query attends them alike i
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -28,8 +29,12 @@ INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 # a 4-D slice of the mask: the layer makes (b, heads, q, k) scores' mask of its own (a bias added to it)
 _MASK_4D = re.compile(r"mask\w*\s*\[\s*:\s*,\s*:\s*,\s*:\s*,\s*:")
 _POSITION_FROM_IDS = "create_position_ids_from_input_ids"
+# default positions counted along the padding mask (OPT: `cumsum(attention_mask) * attention_mask - 1`), which the
+# split's injected global positions (`arange`) differ from on a padded row
+_POSITIONS_FROM_MASK = re.compile(r"position\w*\s*=\s*\(?\s*(torch\.cumsum\(\s*\w*attention_mask|\w*attention_mask\w*\.cumsum\()")
 
 
+@functools.lru_cache(maxsize=None)
 def _source(cls: type) -> str:
     """The source of `cls` and of its transformers base classes (where a method may come from)."""
     parts = []
@@ -93,7 +98,11 @@ def own_attention_problem(root: nn.Module, text_config, whole: list | tuple = ()
         if hasattr(cls, _POSITION_FROM_IDS) and cls.__module__.startswith("transformers."):
             return (f"{cls.__name__} ({name}) derives the positions from the token ids (offset by the padding "
                     "index), which the split sequence's global positions do not reproduce")
-        if not _is_attention_leaf(module) or not any(name.startswith(n + ".") for n in lists):
+        in_layers = any(name.startswith(n + ".") for n in lists)
+        if not in_layers and cls.__module__.startswith("transformers.") and _POSITIONS_FROM_MASK.search(_source(cls)):
+            return (f"{cls.__name__} ({name or 'the decoder'}) counts its default positions along the padding "
+                    "mask, which the split sequence's global positions do not reproduce on a padded row")
+        if not _is_attention_leaf(module) or not in_layers:
             continue
         source = _source(cls)
         if cross and INTERFACE in source:
