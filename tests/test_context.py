@@ -363,11 +363,22 @@ def test_attention_of_its_own_runs_split_in_order_and_matches_one_process(dist2,
     assert all("split over 'cp' in order" in note for note in notes), notes
 
 
-def _split_in_order_property(rank, world, batch, seq, pads):
-    """Worker: GPT-Neo (attention code of its own) under context_parallel: a training step on a random batch with
-    right padding per row equals one process, loss and every gradient."""
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_keys_gathered_by_a_flatten_are_split_again_or_split_in_order(dist2, model_type):
+    """GPT-2's and OPT's projections flatten (batch, seq), so the dispatcher gathers their keys: GPT-2's are split
+    again locally at the attention (the zigzag split, every method) and cached in the plain order; OPT counts its
+    positions along the padding mask, so its sequence is split in order. Training and greedy generate (a padded
+    prompt) equal one process."""
+    methods = METHODS if model_type == "gpt2" else ("ring",)
+    notes = dist2.run(_matches_one_process, model_type, methods, methods)
+    assert all(("in order" in note) == (model_type == "opt") for note in notes), notes
+
+
+def _split_property(rank, world, model_type, method, batch, seq, pads):
+    """Worker: `model_type` under context_parallel(method): a training step on a random batch with right padding
+    per row equals one process, loss and every gradient."""
     from hyper_parallel.tools.auto_models import build_model_type
-    base = build_model_type("gpt_neo").model.train()
+    base = build_model_type(model_type).model.train()
     torch.manual_seed(5)
     ids = torch.randint(1, base.config.vocab_size, (batch, seq))
     mask = torch.ones_like(ids)
@@ -378,10 +389,11 @@ def _split_in_order_property(rank, world, batch, seq, pads):
     ref = copy.deepcopy(base)
     want = ref(input_ids=ids, attention_mask=mask, labels=labels)
     want.loss.backward()
-    model = hp.context_parallel(copy.deepcopy(base), hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    model = hp.context_parallel(copy.deepcopy(base), hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)),
+                                "cp", method)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    _assert_same_loss_and_grads(out, want, model, ref, f"gpt_neo {batch}x{seq} pads {pads}")
+    _assert_same_loss_and_grads(out, want, model, ref, f"{model_type}/{method} {batch}x{seq} pads {pads}")
     return True
 
 
@@ -389,10 +401,22 @@ def _split_in_order_property(rank, world, batch, seq, pads):
 @given(st.integers(1, 3), st.integers(1, 6), st.data())
 def test_split_in_order_property(dist2, batch, chunks, data):
     """Random batch, sequence (any multiple of the axis size) and right padding per row (a row may be padding but
-    its first token): GPT-Neo's own attention over the sequence split in order equals one process."""
+    its first two tokens: one label after the shift): GPT-Neo's own attention over the sequence split in order
+    equals one process."""
     seq = 2 * chunks
-    pads = tuple(data.draw(st.integers(0, seq - 1)) for _ in range(batch))
-    dist2.run(_split_in_order_property, batch, seq, pads)
+    pads = tuple(data.draw(st.integers(0, seq - 2)) for _ in range(batch))
+    dist2.run(_split_property, "gpt_neo", "ring", batch, seq, pads)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.sampled_from(METHODS), st.data())
+def test_keys_split_again_after_a_flatten_property(dist2, batch, chunks, method, data):
+    """Random batch, sequence (any multiple of 2 x the axis size), method and right padding per row: GPT-2's keys,
+    gathered by the dispatcher after its (batch, seq) flatten and split again at the attention, give one
+    process's loss and gradients."""
+    seq = 4 * chunks
+    pads = tuple(data.draw(st.integers(0, seq - 2)) for _ in range(batch))
+    dist2.run(_split_property, "gpt2", method, batch, seq, pads)
 
 
 # ---- layers that mix the sequence by a scan run whole --------------------------------------------------------

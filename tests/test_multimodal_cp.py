@@ -168,11 +168,11 @@ def test_cp_inside_pipeline_stages_of_a_multimodal_model_refused(dist4):
     dist4.run(_pipeline_refusal)
 
 
-def _bidirectional_blocks(rank, world, model_type, methods):
-    """Worker: a model whose mask builders make image / prefix tokens see each other both ways (Gemma 3's image
-    blocks, PaliGemma's prefix: `block_sequence_ids`), the census's tiny build and inputs: a training step under
-    every method (the loss and every gradient) and greedy generate under ring (prompts left-padded) equal one
-    process, with the mask builders' own mask function evaluated per block on original token indices."""
+def _census_type_with_image(rank, world, model_type, methods):
+    """Worker: the census's tiny build and inputs (an image) of `model_type`: a training step under every method
+    (the loss and every gradient) and greedy generate under ring (prompts left-padded) equal one process; the
+    model's summary. Labels: the text tokens where the model marks its image tokens (`token_type_ids`), else the
+    census's."""
     import copy
     import torch
     import hyper_parallel as hp
@@ -181,7 +181,8 @@ def _bidirectional_blocks(rank, world, model_type, methods):
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     case = build_model_type(model_type)
     base = _untie(case.model.float()).train()
-    labels = torch.where(case.inputs["token_type_ids"] == 0, case.inputs["input_ids"], -100)
+    labels = (torch.where(case.inputs["token_type_ids"] == 0, case.inputs["input_ids"], -100)
+              if "token_type_ids" in case.inputs else case.labels["labels"])
     inputs, labels = pad_tokens(dict(case.inputs), labels, _pad(world))
     ref = copy.deepcopy(base)
     want = ref(**inputs, labels=labels)
@@ -205,10 +206,21 @@ def _bidirectional_blocks(rank, world, model_type, methods):
         expected = ref.generate(**prompts, max_new_tokens=3, do_sample=False)
         got = model.generate(**prompts, max_new_tokens=3, do_sample=False)
     assert torch.equal(got, expected), (model_type, got, expected)
-    return True
+    return str(hp.summary(model))
 
 
 @pytest.mark.parametrize("model_type,methods", [("gemma3", ("ring", "ulysses", "allgather")),
                                                ("paligemma", ("ring", "allgather"))])   # its one key/value head
 def test_bidirectional_image_and_prefix_blocks_match_one_process(dist2, model_type, methods):
-    dist2.run(_bidirectional_blocks, model_type, methods)
+    """Gemma 3's image blocks and PaliGemma's prefix (`block_sequence_ids`: image / prefix tokens see each other
+    both ways): the mask builders' own mask function is evaluated per block on original token indices."""
+    dist2.run(_census_type_with_image, model_type, methods)
+
+
+@pytest.mark.parametrize("model_type", ["blip-2", "kosmos-2"])
+def test_language_model_of_its_own_kind_runs_split_in_order_with_an_image(dist2, model_type):
+    """BLIP-2's OPT counts its positions along the padding mask, Kosmos-2's text model derives them from the token
+    ids: the language model's sequence is split in order at its entry (the towers and the image features whole)
+    and its own code runs through the dispatcher; training and generate equal one process."""
+    notes = dist2.run(_census_type_with_image, model_type, ("ring",))
+    assert all("in order" in note and "at the entry of" in note for note in notes), notes
