@@ -26,6 +26,9 @@ ZIGZAG_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 PLAIN_INPUTS = ("labels",)
 # the names of a KV cache among a forward's inputs (transformers 5 calls it `cache`, earlier `past_key_values`)
 CACHE_INPUTS = ("cache", "past_key_values")
+# a recurrent model's state from the forward before (RWKV's, Mamba's): a forward given one continues a sequence,
+# which `runs_whole` does not take for a forward of its own
+_STATE_INPUTS = ("state", "cache_params", "mems")
 
 
 def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "cp",
@@ -80,7 +83,7 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh | Layout, axis: str = "c
         config._attn_implementation = {"": register_attention(settings)}
         run_whole(settings, scans)
     feed.register(model, mesh, same_feed=(axis,), step=SequenceSplit(settings, split_here=language is None))
-    model.register_forward_hook(whole_logits_when_cached)
+    model.register_forward_hook(whole_logits_when_generating, with_kwargs=True)
     if language is None:
         _hidden_state_module(model).register_forward_hook(functools.partial(plain_order_outputs, settings))
     else:
@@ -167,15 +170,17 @@ class SequenceSplit:
             problem = cache_problem(cache, self.settings.contiguous)
             if problem or holds_tokens(cache):
                 return problem  # a decoding step (the cache holds keys already) is not split
+        if runs_whole(self.settings, inputs):
+            return None
         ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         if ref is None:
             return None
         if ref.ndim < 2:
             return f"context_parallel: input_ids/inputs_embeds need a batch and a sequence dim, got shape {tuple(ref.shape)}"
-        batch, seq_len, parts = ref.shape[0], ref.shape[SEQ_DIM], self.settings.parts
+        batch, seq_len = ref.shape[0], ref.shape[SEQ_DIM]
         chunks = 1 if self.settings.contiguous else 2
-        if seq_len % (chunks * parts):
-            multiple = chunks * parts
+        if seq_len % _multiple(self.settings):
+            multiple = _multiple(self.settings)
             pad = (f"left-pad the prompts, tokenizer(..., padding=True, padding_side='left', pad_to_multiple_of="
                    f"{multiple}), with attention_mask 0 on the padding" if cache is not None else
                    f"pad the batch, e.g. tokenizer(..., padding=True, pad_to_multiple_of={multiple}), with "
@@ -207,7 +212,7 @@ class SequenceSplit:
         """Forward pre-hook body: the inputs' sequence dim split over the axis (zigzag order, global positions)."""
         settings = self.settings
         kwargs = feed.named_inputs(module, args, kwargs)
-        if decoding(kwargs):  # whole, as on one device (a multimodal model's language model sees the same cache)
+        if runs_whole(settings, kwargs):  # as on one device (a multimodal model's language model decides alike)
             settings.split_pending = False
             return (), kwargs
         if cache_of(kwargs) is None:
@@ -234,6 +239,25 @@ def decoding(inputs: dict) -> bool:
     return cache is not None and holds_tokens(cache)
 
 
+def runs_whole(settings: ContextSettings, inputs: dict) -> bool:
+    """Is this forward run whole on every rank, as one device runs it: a decoding step (`decoding`), or a forward
+    without gradients and without a KV cache whose sequence does not divide over the axis (generate's steps of
+    a model that keeps no cache: MPT and Evolla by their configs, OpenAI-GPT: the whole sequence, one token
+    longer, at every step). Decided from shapes and the grad mode, the same on every rank; a training forward
+    of such a length is refused instead (pad it)."""
+    if decoding(inputs):
+        return True
+    if torch.is_grad_enabled() or any(inputs.get(n) is not None for n in CACHE_INPUTS + _STATE_INPUTS):
+        return False
+    ref = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+    return isinstance(ref, Tensor) and ref.ndim >= 2 and ref.shape[SEQ_DIM] % _multiple(settings) != 0
+
+
+def _multiple(settings: ContextSettings) -> int:
+    """What the sequence length must be a multiple of: the axis size (split in order), twice it (zigzag)."""
+    return settings.parts if settings.contiguous else 2 * settings.parts
+
+
 def holds_tokens(cache) -> bool:
     """Has the KV cache seen tokens already? (A cache of scan layers only, Mamba's, has no sequence length to
     ask: its layers say whether they hold a state, a convolution's or a recurrence's.)"""
@@ -245,13 +269,16 @@ def holds_tokens(cache) -> bool:
     return bool(cache.get_seq_length())
 
 
-def whole_logits_when_cached(module: nn.Module, args, output):
-    """Forward hook of the model: a forward with a KV cache (generate's) returns its logits whole, as a plain
+def whole_logits_when_generating(module: nn.Module, args, kwargs: dict, output):
+    """Forward hook of the model: a forward of generate's (with a KV cache; or, for a model that keeps none,
+    given `logits_to_keep` without gradients, as generate's loop calls it) returns its logits whole, as a plain
     tensor, so that generate's loop runs on plain tokens as on one device; the feed check then compares them
     across the ranks at every step (ranks that sampled different tokens raise FeedError on every rank, where
     a DTensor's values would go unchecked)."""
     logits = output.get("logits") if hasattr(output, "get") else None
-    if isinstance(logits, DTensor) and cache_of(output) is not None:
+    generating = cache_of(output) is not None or (kwargs.get("logits_to_keep") is not None
+                                                  and not torch.is_grad_enabled())
+    if isinstance(logits, DTensor) and generating:
         output["logits"] = logits.full_tensor()
     return output
 
@@ -416,6 +443,10 @@ def split(settings: ContextSettings, t: Tensor, zigzag: bool, dim: int = SEQ_DIM
     if seq_axes:
         raise ValueError(f"context_parallel: input of layout {layout.alias_entries()} splits the sequence "
                          f"over other axes than {settings.axis!r}")
+    # whole over the axis first where another dim is split over it (generate's tokens, grown from logits the
+    # dispatcher left split on the batch): a dim split over the axis cannot be split over it again
+    layout = layout.with_map(tuple(tuple(a for a in axes if a != axis) for axes in layout.tensor_map),
+                             layout.partial)
     whole = t if t.dist_layout is layout else t.redistribute(layout)
     if zigzag:  # the zigzag order, whose plain split gives rank i chunks i and 2n-1-i
         chunk = t.shape[dim] // (2 * parts)

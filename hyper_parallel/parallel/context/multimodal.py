@@ -74,7 +74,7 @@ def _split_inputs(settings: ContextSettings, module: nn.Module, args: tuple, kwa
     """Forward pre-hook of the language model (its inputs come from the base model, the same on every rank)."""
     kwargs = feed.named_inputs(module, args, kwargs)
     ref = kwargs.get("inputs_embeds") if kwargs.get("inputs_embeds") is not None else kwargs.get("input_ids")
-    if ref is None or sequence.decoding(kwargs):  # a decoding step of generate runs whole, as on one device
+    if ref is None or sequence.runs_whole(settings, kwargs):  # as on one device (a decoding step of generate)
         return (), kwargs
     batch, seq_len = ref.shape[:2]
     zigzag = not settings.contiguous
