@@ -242,8 +242,8 @@ def decoding(inputs: dict) -> bool:
 def runs_whole(settings: ContextSettings, inputs: dict) -> bool:
     """Is this forward run whole on every rank, as one device runs it: a decoding step (`decoding`), or a forward
     without gradients and without a KV cache whose sequence does not divide over the axis (generate's steps of
-    a model that keeps no cache: MPT and Evolla by their configs, OpenAI-GPT: the whole sequence, one token
-    longer, at every step). Decided from shapes and the grad mode, the same on every rank; a training forward
+    a model that keeps no cache, MPT and Evolla by their configs: the whole sequence, one token longer, at
+    every step). Decided from shapes and the grad mode, the same on every rank; a training forward
     of such a length is refused instead (pad it)."""
     if decoding(inputs):
         return True
