@@ -275,10 +275,9 @@ def whole_logits_when_generating(module: nn.Module, args, kwargs: dict, output):
     tensor, so that generate's loop runs on plain tokens as on one device; the feed check then compares them
     across the ranks at every step (ranks that sampled different tokens raise FeedError on every rank, where
     a DTensor's values would go unchecked)."""
-    logits = output.get("logits") if hasattr(output, "get") else None
-    generating = cache_of(output) is not None or (kwargs.get("logits_to_keep") is not None
-                                                  and not torch.is_grad_enabled())
-    if isinstance(logits, DTensor) and generating:
+    logits = output.get("logits") if hasattr(output, "get") else None   # a pipeline stage's output: a tuple
+    if isinstance(logits, DTensor) and (cache_of(output) is not None or (kwargs.get("logits_to_keep") is not None
+                                                                         and not torch.is_grad_enabled())):
         output["logits"] = logits.full_tensor()
     return output
 
