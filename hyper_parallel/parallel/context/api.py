@@ -13,7 +13,7 @@ from ...layout.mesh import DeviceMesh
 from .. import feed
 from ..dims import TP, ParallelDims
 from ..surgery import lay_out_parameters, record_applied, replicated_elsewhere
-from .attention import HELD_ORDER, INDEX_MASK, METHODS, ContextSettings, register_attention
+from .attention import HELD_ORDER, INDEX_MASK, METHODS, ContextSettings, off_axis_map, register_attention
 from .multimodal import check_language_model, language_model_of, split_at_language_model
 from .own_attention import own_attention_problem, score_bias_problem
 from .scan_layers import run_whole, scan_layer_types, scan_layers
@@ -178,16 +178,16 @@ class SequenceSplit:
         if ref.ndim < 2:
             return f"context_parallel: input_ids/inputs_embeds need a batch and a sequence dim, got shape {tuple(ref.shape)}"
         batch, seq_len = ref.shape[0], ref.shape[SEQ_DIM]
-        chunks = 1 if self.settings.contiguous else 2
-        if seq_len % _multiple(self.settings):
-            multiple = _multiple(self.settings)
+        multiple = _multiple(self.settings)
+        if seq_len % multiple:
             pad = (f"left-pad the prompts, tokenizer(..., padding=True, padding_side='left', pad_to_multiple_of="
                    f"{multiple}), with attention_mask 0 on the padding" if cache is not None else
                    f"pad the batch, e.g. tokenizer(..., padding=True, pad_to_multiple_of={multiple}), with "
                    "attention_mask 0 and labels -100 on the padding")
-            held = "each rank holds two chunks" if chunks == 2 else "each rank holds one chunk"
-            return (f"context_parallel: the sequence length {seq_len} must be a multiple of "
-                    f"{'2 x ' if chunks == 2 else ''}{self.settings.axis!r} size = {multiple} ({held}); {pad}")
+            two = not self.settings.contiguous
+            return (f"context_parallel: the sequence length {seq_len} must be a multiple of {'2 x ' if two else ''}"
+                    f"{self.settings.axis!r} size = {multiple} (each rank holds {'two chunks' if two else 'one chunk'}); "
+                    f"{pad}")
         positions = inputs.get("position_ids")
         # a multimodal model's 3-D rotary positions (rows, batch, seq)
         rows = not self.split_here and isinstance(positions, Tensor) and positions.ndim == 3
@@ -393,7 +393,7 @@ def _whole_over_axis(settings: ContextSettings, t):
     if not isinstance(t, DTensor):
         return t
     layout = t.dist_layout
-    tensor_map = tuple(tuple(a for a in axes if a != settings.axis_index) for axes in layout.tensor_map)
+    tensor_map = tuple(off_axis_map(settings, layout))
     return t if tensor_map == tuple(layout.tensor_map) else t.redistribute(layout.with_map(tensor_map, layout.partial))
 
 
@@ -444,8 +444,7 @@ def split(settings: ContextSettings, t: Tensor, zigzag: bool, dim: int = SEQ_DIM
                          f"over other axes than {settings.axis!r}")
     # whole over the axis first where another dim is split over it (generate's tokens, grown from logits the
     # dispatcher left split on the batch): a dim split over the axis cannot be split over it again
-    layout = layout.with_map(tuple(tuple(a for a in axes if a != axis) for axes in layout.tensor_map),
-                             layout.partial)
+    layout = layout.with_map(tuple(off_axis_map(settings, layout)), layout.partial)
     whole = t if t.dist_layout is layout else t.redistribute(layout)
     if zigzag:  # the zigzag order, whose plain split gives rank i chunks i and 2n-1-i
         chunk = t.shape[dim] // (2 * parts)
@@ -470,7 +469,8 @@ def _split_layout(settings: ContextSettings, layout, dim: int):
 
 def plain_order(settings: ContextSettings, t):
     """A sequence-split DTensor from the zigzag order back to the plain one (anything else as it is)."""
-    if settings.contiguous or not isinstance(t, DTensor) or t.ndim < 2 or t.dist_layout.tensor_map[SEQ_DIM] != (settings.axis_index,):
+    if (settings.contiguous or not isinstance(t, DTensor) or t.ndim < 2
+            or t.dist_layout.tensor_map[SEQ_DIM] != (settings.axis_index,)):
         return t
     local = reorder(t.to_local(), SEQ_DIM, settings.group, settings.rank, settings.parts, to_zigzag=False)
     return DTensor.from_local(local, t.dist_layout, shape=t.shape)

@@ -222,6 +222,11 @@ def _padding_keys(attention_mask, keys: int | None = None) -> Tensor | None:
     return None if full.is_meta or bool(full.all()) else full.to(torch.bool)
 
 
+def off_axis_map(settings, layout) -> list:
+    """`layout`'s tensor map with the axis taken off every dim (what a DTensor whole over the axis keeps)."""
+    return [tuple(a for a in axes if a != settings.axis_index) for axes in layout.tensor_map]
+
+
 def split_over_axis(settings, t) -> bool:
     """Is `t` (b, heads, L, d) a DTensor split on its sequence dim over the axis?"""
     return isinstance(t, DTensor) and t.dist_layout.tensor_map[2] == (settings.axis_index,)
@@ -279,7 +284,7 @@ def _split_again(settings, t, name: str, where: str):
     if split_over_axis(settings, t):
         return t
     if isinstance(t, DTensor) and t.ndim == 4 and t.shape[2] == settings.seq_len:
-        tensor_map = [tuple(a for a in axes if a != settings.axis_index) for axes in t.dist_layout.tensor_map]
+        tensor_map = off_axis_map(settings, t.dist_layout)
         tensor_map[2] = (settings.axis_index,)
         return t.redistribute(t.dist_layout.with_map(tuple(tensor_map), t.dist_layout.partial))
     layout = t.dist_layout.alias_entries() if isinstance(t, DTensor) else "a plain tensor"

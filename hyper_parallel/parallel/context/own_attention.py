@@ -7,9 +7,11 @@ load-balanced sequence. A layer that computes its scores with code of its own (B
 XGLM, TrOCR, OpenAI-GPT, BLIP's text decoder), that reads the mask as a 4-D score mask of its own to add a
 learned or relative bias to it (Doge's dynamic mask, Pix2Struct's position bias), that cross-attends another
 sequence (IDEFICS' image features), or a decoder that derives its positions from the token ids (Kosmos-2's
-padding-offset sinusoidal positions) or counts them along the padding mask (OPT) would compute wrong values, or fail with a shape error deep inside,
-on a split sequence. They are refused when `context_parallel` is called, on every rank alike (the code is
-the same on every rank) and before anything communicates or changes, with the module and the reason.
+padding-offset sinusoidal positions) or counts them along the padding mask (OPT) would compute wrong values,
+or fail with a shape error deep inside, on the load-balanced split. They are found when `context_parallel`
+is called, on every rank alike (the code is the same on every rank) and before anything communicates, and
+the sequence is then split in order with no attention registered (`api.context_parallel`), the reason
+recorded in the summary.
 
 The reading is a heuristic over the classes' source, as transformers' own `_can_set_attn_implementation`
 is; it looks only at the modules that see the split sequence: a vision / audio tower of its own config runs
@@ -31,7 +33,8 @@ _MASK_4D = re.compile(r"mask\w*\s*\[\s*:\s*,\s*:\s*,\s*:\s*,\s*:")
 _POSITION_FROM_IDS = "create_position_ids_from_input_ids"
 # default positions counted along the padding mask (OPT: `cumsum(attention_mask) * attention_mask - 1`), which the
 # split's injected global positions (`arange`) differ from on a padded row
-_POSITIONS_FROM_MASK = re.compile(r"position\w*\s*=\s*\(?\s*(torch\.cumsum\(\s*\w*attention_mask|\w*attention_mask\w*\.cumsum\()")
+_POSITIONS_FROM_MASK = re.compile(r"position\w*\s*=\s*\(?\s*"
+                                  r"(torch\.cumsum\(\s*\w*attention_mask|\w*attention_mask\w*\.cumsum\()")
 
 
 @functools.lru_cache(maxsize=None)
