@@ -56,6 +56,14 @@ def test_bad_meshes():
         Layout((2, 2), ("dp",))
 
 
+def test_a_mesh_axis_on_two_dims_is_refused_however_the_layout_is_made():
+    base = Layout((2, 2), ("dp", "tp"))
+    assert base("dp", "tp").with_map(((1,), (0,))).tensor_map == ((1,), (0,))   # each axis once: fine
+    for tensor_map in (((0,), (0,)), ((0, 1), (1,)), ((), (1,), (1,))):
+        with pytest.raises(ValueError, match="splits tensor dims"):
+            base("dp", "tp").with_map(tensor_map)
+
+
 def test_entry_count_must_match_rank():
     L = Layout((4, 2), ("dp", "tp"))
     with pytest.raises(ValueError, match="has 1 entries but the tensor has 2 dims"):

@@ -17,11 +17,25 @@ _LAYOUTS: dict = {}
 def _intern(mesh: DeviceMesh, tensor_map, partial) -> "Layout":
     key = (mesh, tensor_map, partial)
     layout = _LAYOUTS.get(key)
-    if layout is None:
+    if layout is None:   # a new layout: checked once, then interned (the hot paths only look it up)
+        _check_axes_used_once(mesh, tensor_map)
         layout = object.__new__(Layout)
         layout._init(mesh, tensor_map, partial)
         _LAYOUTS[key] = layout
     return layout
+
+
+def _check_axes_used_once(mesh: DeviceMesh, tensor_map) -> None:
+    """A mesh axis splits at most one tensor dim: on two, the local pieces would not tile the tensor and every
+    rule reading the layout would compute silently wrong values, so such a layout is refused where it is made."""
+    seen: dict = {}
+    for dim, axes in enumerate(tensor_map or ()):
+        for axis in axes:
+            if axis in seen:
+                name = mesh.mesh_dim_names[axis]
+                raise ValueError(f"layout {tensor_map}: mesh axis {name!r} splits tensor dims {seen[axis]} and "
+                                 f"{dim}; an axis can split one dim only (take it off one dim first)")
+            seen[axis] = dim
 
 
 class Layout:
