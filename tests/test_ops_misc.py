@@ -177,3 +177,38 @@ def test_new_factories_keep_the_split_of_the_sizes_they_keep(dist2, data):
         cases.append((shape, entries, size, data.draw(st.sampled_from(["zeros", "ones", "full", "empty"]))))
     failures = [f for per_rank in dist2.run(_new_factory_cases, cases) for f in per_rank]
     assert not failures, failures
+
+
+def _conv_then_dropout_cases(rank, world, cases):
+    """Worker: a batch of `world` images split one per rank, made channels-last as a ViT neck makes them (a
+    (b, h*w, c) sequence permuted and reshaped), a convolution, then dropout: the same values and the same
+    dropped elements as one device (the mask is drawn in the memory order the convolution's output has)."""
+    mesh = hp.Layout((world,), ("dp",))
+    failures = []
+    for channels, side, kernel, channels_last in cases:
+        g = torch.Generator().manual_seed(channels * 100 + side)
+        seq = torch.randn(world, side * side, channels, generator=g)
+        weight = torch.randn(channels + 1, channels, kernel, kernel, generator=g)
+
+        def run(s):
+            img = s.permute(0, 2, 1).reshape(world, channels, side, side) if channels_last else \
+                s.reshape(world, channels, side, side)
+            torch.manual_seed(11)
+            return F.dropout(F.conv2d(img, weight, padding=kernel // 2), 0.3, training=True)
+        ref = run(seq)
+        out = run(hp.distribute_tensor(seq, mesh("dp", "None", "None"))).full_tensor()
+        if not torch.equal(out == 0, ref == 0) or not torch.allclose(out, ref, atol=1e-5):
+            failures.append(f"conv2d then dropout: {channels} channels, {side}x{side}, kernel {kernel}, "
+                            f"channels_last={channels_last}")
+    return failures
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 12), st.integers(2, 6), st.sampled_from([1, 3]), st.booleans()),
+                min_size=1, max_size=4))
+def test_dropout_after_a_batch_split_convolution_drops_what_one_device_drops(dist2, cases):
+    """Random channel counts, image sizes, kernels and memory formats: a rank holding one image of the batch
+    runs its convolution in the memory format the whole batch's runs in (a size-1 dim's stride otherwise hides
+    channels-last), so dropout's mask lands on the same elements."""
+    failures = [f for per_rank in dist2.run(_conv_then_dropout_cases, cases) for f in per_rank]
+    assert not failures, failures

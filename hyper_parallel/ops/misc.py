@@ -239,7 +239,37 @@ class Dropout(Rule):
         return Strategy([layout], [layout], local_fn)
 
 
-class Conv(SignatureRule):
+def _whole_batch_stride(x: Tensor) -> Tensor:
+    """x, with its batch dim's stride the one the whole batch has when this rank holds a batch of one.
+
+    A size-1 dim's stride addresses nothing, so torch leaves whatever a view computes there (a reshape of a
+    permuted (1, hw, c) piece gets stride c, the whole batch's piece h*w*c). Convolution kernels pick their
+    memory format from all strides (`suggest_memory_format`): with the odd one a channels-last piece runs, and
+    its output stays, contiguous where the single-device op runs channels-last, and a later random op then
+    draws in another memory order (dropout's mask: other values than one device's, DPT's auxiliary head).
+    Re-striding that dim is a view of the same memory."""
+    if x.ndim < 4 or x.shape[0] != 1:
+        return x
+    extent = max(x.stride(d) * x.shape[d] for d in range(1, x.ndim))
+    return x if x.stride(0) == extent else x.as_strided(x.shape, (extent,) + x.stride()[1:])
+
+
+class _BatchSplitConv(SignatureRule):
+    """A convolution whose batch-split input keeps the single-device memory format (`_whole_batch_stride`)."""
+
+    def strategy(self, call: OpCall) -> Strategy:
+        strategy = super().strategy(call)
+        layout = strategy.in_layouts[0]
+        if strategy.local_fn is None and layout.shard_count(0) > 1 and call.inputs[0].ndim >= 4:
+            func = call.func
+
+            def local_fn(x, *args, **kwargs):
+                return func(_whole_batch_stride(x), *args, **kwargs)
+            strategy.local_fn = local_fn
+        return strategy
+
+
+class Conv(_BatchSplitConv):
     """conv1d/2d/3d(input, weight, bias, ...): batch split (weight replicated) or output channels split
     (weight and bias split on dim 0, input replicated; only with groups == 1)."""
 
@@ -254,7 +284,7 @@ class Conv(SignatureRule):
         return sigs
 
 
-class ConvTranspose(SignatureRule):
+class ConvTranspose(_BatchSplitConv):
     """conv_transpose1d/2d/3d(input, weight, bias, ...): batch split, weight and bias replicated (the
     weight's dims are (in, out / groups, ...): an output-channel split would need the groups)."""
 
