@@ -24,6 +24,7 @@ _VIEW_OPS = {
     "t then view": lambda t: t.transpose(0, 1).contiguous().view(-1),
     "unsqueeze": lambda t: t.unsqueeze(1),
     "view as": lambda t: t.view_as(t.reshape(t.shape)),
+    "reshape keeping dim 0": lambda t: t.reshape(t.shape[0], 1, -1),
 }
 
 
@@ -60,6 +61,10 @@ def _views_on_two_ranks(rank, world, shape, split_dim, op_names, grad_mode):
                                   x.grad.full_tensor() if grad_mode else None, x.full_tensor())
             c, p = got["c"], got["python"]
             assert torch.equal(c[0], p[0]) and c[1] is p[1] and c[2] == p[2], (name, shape, split_dim)
+            if not grad_mode and not c[2]:  # a write let through reaches x where it does on one device
+                plain = full.clone()
+                fn(plain).add_(1)
+                assert torch.allclose(c[4], plain), (name, shape, split_dim)
             assert torch.equal(c[4], p[4]), (name, shape, split_dim)
             assert torch.allclose(c[0], want), (name, shape, split_dim)
             if grad_mode:
@@ -84,3 +89,48 @@ if given is not None:
         from tests import harness
         split_dim = min(split_dim, len(shape) - 1)
         assert harness.pool(2).run(_views_on_two_ranks, tuple(shape), split_dim, ops, grad_mode) == [True, True]
+
+
+def _border_writes_through_a_reshape(rank, world, grad_mode):
+    """EfficientLoFTR's `mask_border`: a batch-split (b, n0, n1) score mask reshaped (locally) to (b, h0, w0, h1,
+    w1), its borders written through that view, reshaped back: the writes reach the mask as on one device, through
+    the C twin and the Python path alike, with and without grad, and so do writes into views of those views."""
+    mesh = hp.Layout((2,), ("dp",))
+    full = torch.arange(2 * 12 * 6, dtype=torch.float32).reshape(2, 12, 6) / 50
+
+    def run(x):
+        y = x * 1
+        m = y.reshape(2, 3, 4, 2, 3)
+        m[:, :1] = 0
+        m[:, :, :, -1:] = -1
+        m[..., :1].mul_(3)          # a view of the view: the write reaches m and y
+        s = m.sum()                 # m read after its writes
+        y.transpose(1, 2)[:, 1:2].add_(s / 100)
+        return y.reshape(2, 12, 6)
+    want_x = full.clone().requires_grad_(grad_mode)
+    with torch.set_grad_enabled(grad_mode):
+        want = run(want_x)
+        if grad_mode:
+            (want * want).sum().backward()
+    impls = {"c": dispatch_pkg._fastpath.torch_function, "python": dispatcher.torch_function}
+    saved = DTensor.__dict__["__torch_function__"]
+    try:
+        for impl in impls.values():
+            DTensor.__torch_function__ = staticmethod(impl)
+            for _ in range(2):  # the second call is a cache hit
+                x = hp.distribute_tensor(full.clone(), mesh("dp", "None", "None")).requires_grad_(grad_mode)
+                with torch.set_grad_enabled(grad_mode):
+                    got = run(x)
+                    assert got.dist_layout is x.dist_layout
+                    assert torch.allclose(got.full_tensor(), want.detach(), rtol=1e-5)
+                    if grad_mode:
+                        (got * got).sum().backward()
+                        assert torch.allclose(x.grad.full_tensor(), want_x.grad, rtol=1e-5)
+    finally:
+        DTensor.__torch_function__ = saved
+    return True
+
+
+def test_writes_through_a_local_reshape_of_a_split_tensor_reach_it(dist2):
+    for grad_mode in (False, True):
+        assert dist2.run(_border_writes_through_a_reshape, grad_mode) == [True, True]

@@ -704,12 +704,16 @@ static PyObject *decision_hit(PyObject *func, PyObject *args, PyObject *kwargs, 
     if (base != Py_None) {  /* dispatcher._note_view; loc0 None when the view was taken of a moved copy */
         PyObject *a0 = PyTuple_GET_ITEM(args, 0);
         PyObject *layout0 = get_slot(a0, &dt_layout);
-        int moved = layout0 != NULL && (PySequence_Fast_GET_ITEM(in_layouts, 0) != layout0 || local_fn != Py_None);
+        /* as _dispatch: a LocalReshape views the unmoved input's own local, its history replays the LocalReshape */
+        int reshaped = Py_TYPE(local_fn) == local_reshape_type;
+        int moved = layout0 != NULL && (PySequence_Fast_GET_ITEM(in_layouts, 0) != layout0 ||
+                                        (local_fn != Py_None && !reshaped));
         Py_XDECREF(layout0);
         /* as _dispatch: a no-grad view of the unmoved input needs no note */
         if (layout0 == NULL ||
             ((moved || grad_mode) &&
-             note_view_here(res, args, moved ? NULL : PyTuple_GET_ITEM(largs, 0), base, func, largs) < 0))
+             note_view_here(res, args, moved ? NULL : PyTuple_GET_ITEM(largs, 0), base,
+                            reshaped ? local_fn : func, largs) < 0))
             Py_CLEAR(res);
     }
     Py_DECREF(base);

@@ -20,7 +20,7 @@ from ..layout.layout import Layout, replicate_layout
 from ..redistribute.planner import redistribute_local
 from . import registry
 from .registry import _RECORDERS
-from .call import OpCall, Strategy, TensorSpec
+from .call import LocalReshape, OpCall, Strategy, TensorSpec
 
 _DisableTF = torch._C.DisableTorchFunctionSubclass
 _is_grad_enabled = torch.is_grad_enabled
@@ -326,8 +326,8 @@ def _returns_first_list(out: list, a0, loc0) -> bool:
 def _note_view(result, args, loc0, out, func, largs, lkwargs, copied: bool = False):
     """Remember what `result` (a torch view, `out._base` set) was taken of, for in-place writes into it.
 
-    `loc0` is args[0]'s own local when the op ran on it, None when it ran on a moved copy (or through a rule's
-    `local_fn`), which is then `largs[0]`. A view of args[0]'s local notes (args[0], func, args) so a write can give
+    `loc0` is args[0]'s own local when the op ran on it (directly, or through a `LocalReshape`, passed as `func`),
+    None when it ran on a moved copy (or through another `local_fn`), which is then `largs[0]`. A view of args[0]'s local notes (args[0], func, args) so a write can give
     the base its history (torch's CopySlices); a view of a moved copy notes False, so a write into it raises (it would
     not reach the original), as does a view of another input, and a view made by a rule's `local_fn` that declares
     `copies_input` (`as_strided` of a non-contiguous local views a contiguous copy: `copied`). A view of none of the
@@ -469,17 +469,31 @@ def _write_through(func, args, kwargs, record):
 
 def _finish_inplace(target, local_out, grad, name="an in-place op"):
     """Give `target` the written local and its history; `_dispatch` has already refused a lost write (every caller
-    runs under it, before anything was written)."""
+    runs under it, before anything was written).
+
+    A write into a view reaches every tensor it views, up the chain (`y.reshape(...)[..., :1].mul_(3)` writes into
+    the reshape and into y): each gets the history torch's CopySlices gives the root, its view of the written
+    values re-taken by the chain's view functions from it down to the target."""
     view = getattr(target, "_view_of", None)
     if grad and (target.requires_grad or local_out.requires_grad):
         out = InplaceWrap.apply(target, local_out)
-        if view:
+        replay = None
+        while view:
             base, vfunc, vargs, vkwargs = view
-            InplaceViewWrap.apply(base, local_out, lambda g: vfunc(g, *vargs, **vkwargs))
+            replay = _then(vfunc, vargs, vkwargs, replay)
+            InplaceViewWrap.apply(base, local_out, replay)
+            view = getattr(base, "_view_of", None)
         return out
     if local_out is not target._local and isinstance(local_out, Tensor):
         target._local = local_out
     return target
+
+
+def _then(vfunc, vargs, vkwargs, inner):
+    """The view function `vfunc(g, *vargs, **vkwargs)` followed by `inner` (the views below it), as one replay."""
+    if inner is None:
+        return lambda g: vfunc(g, *vargs, **vkwargs)
+    return lambda g: inner(vfunc(g, *vargs, **vkwargs))
 
 
 def torch_function(func, types, args=(), kwargs=None):
@@ -771,12 +785,15 @@ def _dispatch(func, args, kwargs, try_replicated=True):
     else:
         res = _wrap_outs(out, dec.out_layouts, dec.out_shapes, grad)
     if type(out) is Tensor and out._base is not None and leaves and leaves[0] is args[0] and type(args[0]) is DTensor:
-        moved = dec.in_layouts[0] is not args[0]._layout or dec.local_fn is not None
+        # A LocalReshape is `t.reshape(local shape)` of the input's own local: its view is one of the input, and a
+        # write into it reaches the input as on one device (the view's history replays the LocalReshape).
+        reshaped = type(dec.local_fn) is LocalReshape
+        moved = dec.in_layouts[0] is not args[0]._layout or (dec.local_fn is not None and not reshaped)
         # A view of the unmoved input made without grad needs no note, as on the replicated path: its local is a
         # torch view made without grad, which torch itself refuses to write into with grad mode on.
         if moved or grad_mode:
-            _note_view(res, args, None if moved else locs[0], out, func, largs, lkwargs,
-                       getattr(dec.local_fn, "copies_input", False))
+            _note_view(res, args, None if moved else locs[0], out, dec.local_fn if reshaped else func, largs,
+                       lkwargs, getattr(dec.local_fn, "copies_input", False))
     return res
 
 
