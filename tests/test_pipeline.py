@@ -480,29 +480,45 @@ HALF = ORDER_HIDDEN // 2
 # what the loop of `_stateful_model` hands its layers: "constant" a clone of the embeddings for every layer
 # (Zamba), "side" a half-width tensor computed from them (one object for every layer), "slices" per-layer
 # slices of one tensor computed before the loop (Gemma 3n), "state" what each layer returns for the next
-# (Zaya), "stack" a stack of the layers' inputs the loop grows (Inkling2); "recomputed" a per-layer input the
-# loop derives anew from the embeddings at each layer, which no stage hand-over can give a later stage
-LOOP_INPUTS = ("constant", "side", "slices", "state", "stack")
+# (Zaya), "stack" a stack of the layers' inputs the loop grows (Inkling2), "shared" a dict of (key, value)
+# tensors, batch first, that layers store and later layers read (Gemma 3n/4's shared K/V), "topk" integer
+# indices per token that the even layers select and the odd ones reuse (HY-V4's shared DSA top-k);
+# "recomputed" a per-layer input the loop derives anew from the embeddings at each layer, which no stage
+# hand-over can give a later stage
+LOOP_INPUTS = ("constant", "side", "slices", "state", "stack", "shared", "topk")
 
 
 def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
     """A tiny causal LM whose decoder loop hands every layer, besides the hidden state, the `features`
-    (LOOP_INPUTS, "recomputed"), each a per-token tensor the layers mix into their output."""
+    (LOOP_INPUTS, "recomputed"): per-token tensors, a dict of tensors the layers fill and read, integer
+    indices, which the layers mix into their output."""
     import transformers
-    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
+    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):",
+             "    def __init__(self, index, n_layers, use_topk):",
              "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})",
-             f"        self.gate = nn.Linear({HALF}, {HALF})", "",
-             "    def forward(self, x, constant=None, side=None, state=None, stack=None):",
+             f"        self.gate = nn.Linear({HALF}, {HALF})", f"        self.kv = nn.Linear({HALF}, {HALF})",
+             "        self.index, self.n_layers, self.use_topk = index, n_layers, use_topk", "",
+             "    def forward(self, x, constant=None, side=None, state=None, stack=None, shared=None, topk=None):",
              "        y = self.linear(x)",
+             "        if shared is not None and self.index >= 1:   # reuse the last even layer's (k, v)",
+             "            k, v = shared['k0']",
+             f"            y = y + (k * v).transpose(1, 2).reshape(*y.shape[:-1], {HALF}).repeat(1, 1, 2)",
+             "        if shared is not None and self.index < self.n_layers - 1:   # store this layer's",
+             f"            kv = torch.tanh(self.kv(x[..., :{HALF}])).view(*x.shape[:-1], 2, {HALF // 2})",
+             "            kv = kv.transpose(1, 2)",
+             "            shared[f'k{self.index % 2}'] = (kv, kv + 1)",
+             "        if self.use_topk:",
+             "            topk = topk if self.index % 2 else x[..., :4].argsort(-1)[..., :2]",
+             "            y = y + torch.gather(y, -1, topk).mean(-1, keepdim=True)",
              "        y = y if constant is None else y + constant",
              "        y = y if side is None else y + side.repeat(1, 1, 2)",
              "        y = y if stack is None or stack.shape[-2] == 0 else y + stack.mean(-2)",
              "        y = torch.tanh(y)",
              f"        new_state = torch.tanh(self.gate(y[..., :{HALF}]) + (0 if state is None else state))",
-             "        return y + new_state.repeat(1, 1, 2), new_state", "",
+             "        return y + new_state.repeat(1, 1, 2), new_state, topk", "",
              "class Decoder(nn.Module):", "    def __init__(self, features, n_layers):", "        super().__init__()",
              "        self.features = tuple(features)", f"        self.embed = nn.Embedding({VOCAB}, {ORDER_HIDDEN})",
-             "        self.layers = nn.ModuleList(Layer() for _ in range(n_layers))", "",
+             "        self.layers = nn.ModuleList(Layer(i, n_layers, 'topk' in features) for i in range(n_layers))", "",
              "    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None):",
              "        if inputs_embeds is None:", "            inputs_embeds = self.embed(input_ids)",
              "        x, features, n = inputs_embeds, self.features, len(self.layers)",
@@ -512,12 +528,14 @@ def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
              f"        per_layer = inputs_embeds[..., :{HALF}].unsqueeze(2) * scales",
              f"        stack = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, {ORDER_HIDDEN})",
              "        stack = stack if 'stack' in features else None",
-             "        state = None",
+             "        state, topk = None, None",
+             "        shared = {} if 'shared' in features else None",
              "        for i, layer in enumerate(self.layers):",
              "            if 'slices' in features:", "                side = per_layer[:, :, i, :]",
              "            if 'recomputed' in features:",
              f"                side = inputs_embeds[..., :{HALF}] * (i + 1)",
-             "            new_x, new_state = layer(x, constant, side, state, stack)",
+             "            new_x, new_state, new_topk = layer(x, constant, side, state, stack, shared, topk)",
+             "            topk = new_topk if 'topk' in features else None",
              "            if stack is not None:", "                stack = torch.cat([stack, x.unsqueeze(-2)], dim=-2)",
              "            state = new_state if 'state' in features else None",
              "            x = new_x",
@@ -646,11 +664,13 @@ def train_census_type_pp2(rank, world, model_type):
     return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zaya"])
+@pytest.mark.parametrize("model_type", ["zamba", "zaya", "gemma3n_text", "hy_v4"])
 def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model_type):
     """Zamba's loop hands every layer a clone of the embeddings, Zaya's each layer the router states the
-    layer before returned: carried across the cut with the hidden state, pp=2 over gloo trains as one
-    process (the loss, and every parameter's gradient on the rank that holds it, within 1e-5)."""
+    layer before returned, Gemma 3n's "reuse" layers the K/V its "store" layers left in shared_kv_states,
+    HY-V4's "shared" DSA layer the top-k indices (integers) the layer before selected: carried across the cut
+    with the hidden state, pp=2 over gloo trains as one process (the loss, and every parameter's gradient on
+    the rank that holds it, within 1e-5: the K/V's gradient flows back to the first stage's layer)."""
     from hyper_parallel.tools.auto_models import build_model_type
     case = build_model_type(model_type, 0)
     model = case.model.float().train()

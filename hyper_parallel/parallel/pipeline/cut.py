@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -511,11 +512,23 @@ class CarrySpec:
     layer_output: int = 0   # what a decoder layer returns: 0 a tensor, n a tuple of n (the stand-ins mimic it)
     embed_tail: tuple | None = None   # the embeddings' dims after (batch, sequence), when not the hidden state's
     # what the loop hands a stage's first layer besides the hidden state, carried after the entries' pieces:
-    # (name, "value") the tensor itself, (name, "base") the per-token tensor it is a view of (`_layer_pieces`)
+    # (name, "value") the tensor itself, (name, "base") the per-token tensor it is a view of, (name,
+    # "dict:I:KEY") entry I of the tuple at KEY of a dict of batch-first tensors the layers fill and read
+    # (`_shared_states`: Gemma 3n/4's and Mistral-Large-4's shared K/V) (`_layer_pieces`)
     layer_entries: tuple = ()
+    # the same at the cuts after stages 1, 2, ... (one tuple per cut), found in the probe by the stage before
+    # each cut: what crosses a cut may differ from cut to cut (the shared K/V are there only once their
+    # "store" layers have run)
+    later_entries: tuple = ()
     # the first stage's modules the decoder stack calls before its layers: (path, output dims after (batch,
     # sequence)), which their stand-ins on later stages give (`_Absent`)
     part_tails: tuple = ()
+
+    def cut_entries(self, cut: int) -> tuple | None:
+        """The layer entries carried at the cut after stage `cut` (None: not known yet)."""
+        if cut == 0:
+            return self.layer_entries
+        return self.later_entries[cut - 1] if cut <= len(self.later_entries) else None
 
 
 @dataclass
@@ -666,14 +679,14 @@ def _entry_hook(state: StageState):
             args = (hidden,) + tuple(args[1:])
         else:
             kwargs = {**kwargs, "hidden_states": hidden}
-        args, kwargs = _take_carried(state.layer_inject or {}, args, kwargs)
+        args, kwargs = _take_carried(state.layer_inject or [], args, kwargs)
         if state.recording:
             state.entry_inputs = per_token_inputs(_layer_inputs(args, kwargs), hidden)
         return args, kwargs
     return hook
 
 
-def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _take_carried(carried: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The first own layer's call with the carried layer inputs (`_layer_pieces`) in place of what this stage's
     loop computed from placeholders, so that its later layers get the real values as on one device too:
     - the loop handed None (a state the layers return and the loop passes on, Zaya's router states, which the
@@ -685,17 +698,25 @@ def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict
       later use of the object the loop holds (the same tensor handed to every layer, or a stack it grows
       from it) sees the real values;
     - the carried value is the base of the view it handed (Gemma 3n's per_layer_inputs[:, :, i, :]): copied
-      into the base of that view, so the slices the loop takes for the later layers are real too.
+      into the base of that view, so the slices the loop takes for the later layers are real too;
+    - the carried values are the entries of a dict the layers fill and read (`_shared_states`: the K/V an
+      earlier stage's layer stored for the "reuse" layers of this one): put into the dict the loop handed,
+      the one object every later layer gets, where it has no entry of that key yet.
     Anything else is left as the loop computed it: the probe compares it with the stage before
     (`cut_inputs_problem`) and checks that the stage's result does not depend on placeholders, which refuses it
     where it differs."""
     args, kwargs = list(args), dict(kwargs)
-    for name, (kind, value) in carried.items():
+    shared: dict = {}
+    for name, kind, value in carried:
         if name.startswith("argument "):
             i = int(name.split(" ", 1)[1])
             got = args[i] if i < len(args) else None
         else:
             i, got = None, kwargs.get(name)
+        if kind.startswith("dict:"):
+            _, _, key = kind.split(":", 2)
+            shared.setdefault((name, key), (got, []))[1].append(value)
+            continue
         if kind == "value" and got is None:
             if i is None:
                 kwargs[name] = value
@@ -717,6 +738,9 @@ def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict
                 continue
             value = value.view(target.shape)
         target.copy_(value)
+    for (name, key), (got, values) in shared.items():
+        if isinstance(got, MutableMapping) and key not in got:
+            got[key] = tuple(values)
     return tuple(args), kwargs
 
 
@@ -858,8 +882,10 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         hidden_in = _enter(received[0], ids)
         n_entries = _piece_count(carried)
         state.inject = _decode(carried, received[1:1 + n_entries], ids, hidden_in)
-        state.layer_inject = {name: (kind, _enter(_ContiguousGrad.apply(p), ids)) for (name, kind), p in
-                              zip(carried.layer_entries, received[1 + n_entries:])}
+        state.layer_inject = [(name, kind, _ContiguousGrad.apply(p) if kind.startswith("dict:")
+                               else _enter(_ContiguousGrad.apply(p), ids))
+                              for (name, kind), p in zip(carried.cut_entries(spec.index - 1) or (),
+                                                         received[1 + n_entries:])]
         state.pending = hidden_in
         call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
         # per-sample features the decoder stack is handed, which the model's forward takes in place of its towers'
@@ -917,15 +943,31 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail,
                                          layer_entries=layer_entries, part_tails=part_tails)
         known = state.carry.setdefault("spec", carry_spec)
-        if known != carry_spec:
+        if dataclasses.replace(known, later_entries=()) != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
                              f"state, the first one handed it {known}; feed micro-batches of one kind (the same "
                              f"modalities in every step of one input shape)")
     else:
-        carry_spec = state.carry["spec"]
+        carry_spec = _later_cut_entries(state, _layer_entries(layer_kwargs or {}, hidden, ids))
         pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:1 + _piece_count(carry_spec)]]
-    pieces += _layer_pieces(carry_spec.layer_entries, layer_kwargs or {}, spec.index)
+    pieces += _layer_pieces(carry_spec.cut_entries(spec.index), layer_kwargs or {}, spec.index)
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
+
+
+def _later_cut_entries(state: StageState, entries: tuple) -> CarrySpec:
+    """The carried spec with what a middle stage's loop hands the next stage's first layer (`entries`, its
+    `_layer_entries`) as the entries of the cut after it: noted the first time (the probe runs the stages in
+    order, and shares the spec with every rank), compared afterwards."""
+    spec, cut = state.carry["spec"], state.spec.index
+    known = spec.cut_entries(cut)
+    if known is None and len(spec.later_entries) == cut - 1:
+        spec = dataclasses.replace(spec, later_entries=spec.later_entries + (entries,))
+        state.carry["spec"] = spec
+    elif known != entries:
+        raise ValueError(f"pipeline: the decoder loop hands stage {cut + 1}'s first layer {entries} besides the "
+                         f"hidden state, the first micro-batch handed it {known}; feed micro-batches of one kind "
+                         f"(the same modalities in every step of one input shape)")
+    return spec
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -944,21 +986,25 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _carried_layer_input(value, hidden, lead: tuple) -> bool:
-    """Whether the loop's `value` for a layer is carried to the next stage: a floating tensor per token
-    (`lead`: the tokens' (batch, sequence)), with trailing dims, other than the hidden state (a constant
-    computed before the loop, a state passed from layer to layer, a slice of per-layer inputs). What a later
-    stage's loop computes alike from the inputs every stage gets is carried too: copied over an equal value,
-    it changes nothing."""
-    return (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
-            and value.ndim > 2 and tuple(value.shape[:2]) == lead)
+    """Whether the loop's `value` for a layer is carried to the next stage: a floating or integer tensor per
+    token (`lead`: the tokens' (batch, sequence)), with trailing dims, other than the hidden state (a constant
+    computed before the loop, a state passed from layer to layer, a slice of per-layer inputs; integer: the
+    top-k token indices a DSA layer selects and the next "shared" layers reuse, HY-V4's and Mistral-Large-4's
+    `prev_topk_indices`, which carry no gradient). What a later stage's loop computes alike from the inputs
+    every stage gets is carried too: copied over an equal value, it changes nothing. Not boolean masks,
+    which every stage rebuilds from the inputs it gets."""
+    return (isinstance(value, torch.Tensor) and value is not hidden and value.dtype != torch.bool
+            and not value.is_complex() and value.ndim > 2 and tuple(value.shape[:2]) == lead)
 
 
 def _carried_base(value: torch.Tensor, lead: tuple) -> bool:
     """Whether `value` is a view of a larger per-token tensor (the loop's slice of per-layer inputs computed
     before it, Gemma 3n's per_layer_inputs[:, :, i, :]), which is carried whole: the next stage's later
-    layers take their own slices of it."""
+    layers take their own slices of it. Not integer values: indices a layer selects and hands on (a top-k's
+    first k of a sort), a state the next stage's loop holds as None and takes as it is."""
     base = value._base
-    return base is not None and base.ndim >= 2 and tuple(base.shape[:2]) == lead and base.numel() > value.numel()
+    return (base is not None and value.is_floating_point() and base.ndim >= 2 and tuple(base.shape[:2]) == lead
+            and base.numel() > value.numel())
 
 
 def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
@@ -971,8 +1017,25 @@ def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
     if isinstance(ids, DTensor):
         return ()
     lead = tuple(ids.shape[:2])
-    return tuple((name, "base" if _carried_base(value, lead) else "value") for name, value in layer_kwargs.items()
-                 if _carried_layer_input(value, hidden, lead) and not isinstance(value, DTensor))
+    entries = []
+    for name, value in layer_kwargs.items():
+        if _carried_layer_input(value, hidden, lead) and not isinstance(value, DTensor):
+            entries.append((name, "base" if _carried_base(value, lead) else "value"))
+        elif _shared_states(value, lead[0]):
+            entries += [(name, f"dict:{i}:{key}") for key, states in value.items() for i in range(len(states))]
+    return tuple(entries)
+
+
+def _shared_states(value, batch: int) -> bool:
+    """Whether the loop's `value` for a layer is a dict the layers fill and read, of tuples of batch-first
+    tensors under string keys: the K/V a "store" layer leaves for the "reuse" layers after it (transformers'
+    KVSharingDict: Gemma 3n's and Gemma 4's `shared_kv_states` per attention type, Mistral-Large-4's per rope
+    kind). Entries there at a cut were stored by an earlier stage's layers for the next stage's: carried
+    whole, each tensor a piece, the gradient flowing back through them to the layer that computed them."""
+    return (isinstance(value, Mapping) and bool(value) and all(
+        isinstance(k, str) and isinstance(v, tuple) and v and all(
+            isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.ndim >= 2 and t.shape[0] == batch
+            for t in v) for k, v in value.items()))
 
 
 def _layer_pieces(entries: tuple, layer_kwargs: dict, index: int) -> list:
@@ -983,6 +1046,17 @@ def _layer_pieces(entries: tuple, layer_kwargs: dict, index: int) -> list:
         value = layer_kwargs.get(name)
         if kind == "base" and isinstance(value, torch.Tensor):
             value = value._base
+        if kind.startswith("dict:"):
+            _, i, key = kind.split(":", 2)
+            states = value.get(key) if isinstance(value, Mapping) else None
+            if not (isinstance(states, tuple) and len(states) > int(i) and isinstance(states[int(i)], torch.Tensor)):
+                raise ValueError(f"pipeline: the decoder loop handed stage {index + 1}'s first layer no {key!r} "
+                                 f"entry in {name!r} (states its layers store and later layers reuse), which the "
+                                 f"first stage carries (it handed it one there): the stages cannot agree on what "
+                                 f"they carry; split the stages elsewhere (split_points), or use dp/tp for this "
+                                 f"model")
+            pieces.append(states[int(i)])
+            continue
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"pipeline: the decoder loop handed stage {index + 1}'s first layer no {name!r} "
                              f"{'view of a tensor' if kind == 'base' else 'tensor'}, which the first stage "
