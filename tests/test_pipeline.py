@@ -482,10 +482,11 @@ HALF = ORDER_HIDDEN // 2
 # slices of one tensor computed before the loop (Gemma 3n), "state" what each layer returns for the next
 # (Zaya), "stack" a stack of the layers' inputs the loop grows (Inkling2), "shared" a dict of (key, value)
 # tensors, batch first, that layers store and later layers read (Gemma 3n/4's shared K/V), "topk" integer
-# indices per token that the even layers select and the odd ones reuse (HY-V4's shared DSA top-k);
+# indices per token that the even layers select and the odd ones reuse (HY-V4's shared DSA top-k), "rotary"
+# a (cos, sin) tuple broadcast over the batch from a module with a parameter (Mistral-Large-4's rotary);
 # "recomputed" a per-layer input the loop derives anew from the embeddings at each layer, which no stage
 # hand-over can give a later stage
-LOOP_INPUTS = ("constant", "side", "slices", "state", "stack", "shared", "topk")
+LOOP_INPUTS = ("constant", "side", "slices", "state", "stack", "shared", "topk", "rotary")
 
 
 def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
@@ -493,13 +494,20 @@ def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
     (LOOP_INPUTS, "recomputed"): per-token tensors, a dict of tensors the layers fill and read, integer
     indices, which the layers mix into their output."""
     import transformers
-    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):",
+    lines = ["import torch", "from torch import nn", "", "class Rotary(nn.Module):", "    def __init__(self):",
+             "        super().__init__()", f"        self.alpha = nn.Parameter(torch.linspace(0.5, 1.5, {HALF}))", "",
+             "    def forward(self, x):",
+             "        angles = torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1) * self.alpha",
+             "        return angles.cos(), angles.sin()", "",
+             "class Layer(nn.Module):",
              "    def __init__(self, index, n_layers, use_topk):",
              "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})",
              f"        self.gate = nn.Linear({HALF}, {HALF})", f"        self.kv = nn.Linear({HALF}, {HALF})",
              "        self.index, self.n_layers, self.use_topk = index, n_layers, use_topk", "",
-             "    def forward(self, x, constant=None, side=None, state=None, stack=None, shared=None, topk=None):",
+             "    def forward(self, x, constant=None, side=None, state=None, stack=None, shared=None, topk=None,",
+             "                rotary=None):",
              "        y = self.linear(x)",
+             "        y = y if rotary is None else y + (rotary[0] * rotary[1]).repeat(1, 1, 2)",
              "        if shared is not None and self.index >= 1:   # reuse the last even layer's (k, v)",
              "            k, v = shared['k0']",
              f"            y = y + (k * v).transpose(1, 2).reshape(*y.shape[:-1], {HALF}).repeat(1, 1, 2)",
@@ -518,6 +526,7 @@ def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
              "        return y + new_state.repeat(1, 1, 2), new_state, topk", "",
              "class Decoder(nn.Module):", "    def __init__(self, features, n_layers):", "        super().__init__()",
              "        self.features = tuple(features)", f"        self.embed = nn.Embedding({VOCAB}, {ORDER_HIDDEN})",
+             "        self.rotary = Rotary() if 'rotary' in features else None",
              "        self.layers = nn.ModuleList(Layer(i, n_layers, 'topk' in features) for i in range(n_layers))", "",
              "    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None):",
              "        if inputs_embeds is None:", "            inputs_embeds = self.embed(input_ids)",
@@ -530,11 +539,12 @@ def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
              "        stack = stack if 'stack' in features else None",
              "        state, topk = None, None",
              "        shared = {} if 'shared' in features else None",
+             "        rotary = self.rotary(inputs_embeds) if 'rotary' in features else None",
              "        for i, layer in enumerate(self.layers):",
              "            if 'slices' in features:", "                side = per_layer[:, :, i, :]",
              "            if 'recomputed' in features:",
              f"                side = inputs_embeds[..., :{HALF}] * (i + 1)",
-             "            new_x, new_state, new_topk = layer(x, constant, side, state, stack, shared, topk)",
+             "            new_x, new_state, new_topk = layer(x, constant, side, state, stack, shared, topk, rotary)",
              "            topk = new_topk if 'topk' in features else None",
              "            if stack is not None:", "                stack = torch.cat([stack, x.unsqueeze(-2)], dim=-2)",
              "            state = new_state if 'state' in features else None",
@@ -664,11 +674,12 @@ def train_census_type_pp2(rank, world, model_type):
     return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zaya", "gemma3n_text", "hy_v4"])
+@pytest.mark.parametrize("model_type", ["zamba", "zaya", "gemma3n_text", "hy_v4", "mistral_large4"])
 def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model_type):
     """Zamba's loop hands every layer a clone of the embeddings, Zaya's each layer the router states the
     layer before returned, Gemma 3n's "reuse" layers the K/V its "store" layers left in shared_kv_states,
-    HY-V4's "shared" DSA layer the top-k indices (integers) the layer before selected: carried across the cut
+    HY-V4's "shared" DSA layer the top-k indices (integers) the layer before selected, Mistral-Large-4's
+    every layer the (cos, sin) of a rotary embedding with a trained parameter: carried across the cut
     with the hidden state, pp=2 over gloo trains as one process (the loss, and every parameter's gradient on
     the rank that holds it, within 1e-5: the K/V's gradient flows back to the first stage's layer)."""
     from hyper_parallel.tools.auto_models import build_model_type

@@ -471,6 +471,13 @@ class _Absent(nn.Module):
         spec = state.carry.get("spec")
         tail = dict(spec.part_tails).get(self.__dict__["_hp_path"]) if spec is not None else None
         dtype = x.dtype if x.is_floating_point() else hidden.dtype
+        if isinstance(tail, tuple) and tail[:1] == ("tuple",) and x.ndim >= 2:
+            # a tuple the module gave (Mistral-Large-4's rotary embedding, which has a parameter: (cos, sin)),
+            # each entry batch-first or broadcast over the batch as there (`_part_shape_hook`)
+            out = tuple(_placeholder(state, (1 if one else x.shape[0], x.shape[1]) + rest, dtype, hidden.device)
+                        for one, rest in tail[1:])
+            state.part_tuples.append(out)   # the carried values go into it, and on to the next cut
+            return out
         if tail is not None and x.ndim >= 2:
             return _placeholder(state, tuple(x.shape[:2]) + tail, dtype, hidden.device)
         if x.is_floating_point() and not (x.ndim == 2 and tuple(x.shape) == tuple(hidden.shape[:2])):
@@ -545,6 +552,7 @@ class StageState:
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
     part_tails: dict = field(default_factory=dict)   # first-stage module path -> its output's dims after (b, s)
+    part_tuples: list = field(default_factory=list)  # the tuples of tensors those modules gave in this forward
     recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
     exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
     entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
@@ -645,9 +653,14 @@ def _in_decoder(path: str, decoder: str) -> bool:
 
 def _part_shape_hook(state: StageState, path: str):
     """A first-stage module's forward hook (one the decoder stack holds): note its output's dims after (batch,
-    sequence), None where its calls differ or it gives no tensor (`_Absent` then keeps its old rule)."""
+    sequence), None where its calls differ or it gives no tensor (`_Absent` then keeps its old rule); for a
+    tuple of tensors ("tuple", (broadcast over the batch, dims after (batch, sequence)) per entry), the tuple
+    itself noted too, to carry it where the loop hands it to the layers (`_layer_entries`)."""
     def hook(module, args, output):
         tail = tuple(output.shape[2:]) if isinstance(output, torch.Tensor) and output.ndim >= 2 else None
+        if isinstance(output, tuple) and output and all(isinstance(o, torch.Tensor) and o.ndim >= 2 for o in output):
+            tail = ("tuple",) + tuple((o.shape[0] == 1, tuple(o.shape[2:])) for o in output)
+            state.part_tuples.append(output)
         if state.part_tails.setdefault(path, tail) != tail:
             state.part_tails[path] = None
     return hook
@@ -701,7 +714,9 @@ def _take_carried(carried: list, args: tuple, kwargs: dict) -> tuple[tuple, dict
       into the base of that view, so the slices the loop takes for the later layers are real too;
     - the carried values are the entries of a dict the layers fill and read (`_shared_states`: the K/V an
       earlier stage's layer stored for the "reuse" layers of this one): put into the dict the loop handed,
-      the one object every later layer gets, where it has no entry of that key yet.
+      the one object every later layer gets, where it has no entry of that key yet;
+    - the carried value is an entry of a tuple a first-stage module gave (its stand-in's placeholders here):
+      copied into that entry, as a tensor of its own is.
     Anything else is left as the loop computed it: the probe compares it with the stage before
     (`cut_inputs_problem`) and checks that the stage's result does not depend on placeholders, which refuses it
     where it differs."""
@@ -717,6 +732,12 @@ def _take_carried(carried: list, args: tuple, kwargs: dict) -> tuple[tuple, dict
             _, _, key = kind.split(":", 2)
             shared.setdefault((name, key), (got, []))[1].append(value)
             continue
+        if kind.startswith("tuple:"):
+            index = int(kind.split(":", 1)[1])
+            got = got[index] if isinstance(got, tuple) and len(got) > index else None
+            if got is None:
+                continue
+            kind = "value"
         if kind == "value" and got is None:
             if i is None:
                 kwargs[name] = value
@@ -800,6 +821,9 @@ def _stage_class(cls: type) -> type:
 
 # the caller's inputs that later stages hand the model again (the rest feed the first stage's towers)
 _EVERY_STAGE_INPUTS = ("attention_mask", "position_ids")
+# transformers' name of the (batch, sequence, layers, width) per-layer input embeddings a model's forward takes
+# precomputed (Gemma 3n, Gemma 4)
+PER_LAYER_INPUTS = "per_layer_inputs"
 
 
 # the probe's labels for the last stage, to compare the model's own loss with the pipeline's
@@ -903,6 +927,14 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         lead = tuple(_leave(ids).shape[:2])
         shape = lead + (tail if tail is not None else tuple(local.shape[2:]))
         call["inputs_embeds"] = _enter(_placeholder(state, shape, local.dtype, local.device), ids)
+        per_layer = next((p for _, kind, p in state.layer_inject if kind == "base" and p.ndim == 4), None)
+        if per_layer is not None and PER_LAYER_INPUTS in _parameters(state.forward):
+            # the per-layer inputs the model's forward takes precomputed, which it otherwise derives from the
+            # token ids or reverses from the embeddings' table (Gemma 4's get_per_layer_inputs, which a later
+            # stage, without the first stage's embeddings, cannot): a placeholder of the carried per-layer
+            # inputs' shape, which the carried ones replace at the stage's first layer (`_take_carried`)
+            local_shape = tuple(_leave(per_layer).shape)
+            call[PER_LAYER_INPUTS] = _enter(_placeholder(state, local_shape, per_layer.dtype, local.device), ids)
     else:
         state.capture = {} if not spec.last else None
     try:
@@ -920,6 +952,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         captured, state.capture, state.inject, state.pending = state.capture, None, None, None
         state.layer_inject = None
         layer_kwargs, state.layer_kwargs = state.layer_kwargs, None
+        part_tuples, state.part_tuples = state.part_tuples, []
     if state.recording and hidden is not None:
         state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
     if spec.last:
@@ -938,7 +971,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                              f"GIT, CPM-Ant, BLT); a later stage rebuilds its masks and positions from "
                              f"the tokens and cannot run on the longer sequence: use dp/tp for this model")
         carry_spec, pieces = _encode(captured, call, ids)
-        layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids)
+        layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids, part_tuples)
         part_tails = tuple(sorted((k, v) for k, v in state.part_tails.items() if v is not None))
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail,
                                          layer_entries=layer_entries, part_tails=part_tails)
@@ -948,7 +981,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                              f"state, the first one handed it {known}; feed micro-batches of one kind (the same "
                              f"modalities in every step of one input shape)")
     else:
-        carry_spec = _later_cut_entries(state, _layer_entries(layer_kwargs or {}, hidden, ids))
+        carry_spec = _later_cut_entries(state, _layer_entries(layer_kwargs or {}, hidden, ids, part_tuples))
         pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:1 + _piece_count(carry_spec)]]
     pieces += _layer_pieces(carry_spec.cut_entries(spec.index), layer_kwargs or {}, spec.index)
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
@@ -1007,13 +1040,15 @@ def _carried_base(value: torch.Tensor, lead: tuple) -> bool:
             and base.numel() > value.numel())
 
 
-def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
+def _layer_entries(layer_kwargs: dict, hidden, ids, part_tuples: Sequence = ()) -> tuple:
     """The first stage's `CarrySpec.layer_entries`: what the loop hands the next stage's first layer that is
     carried (`_carried_layer_input`), "value" or "base" (`_carried_base`). None with a tensor-parallel,
     expert or context split of the tokens (DTensors): the carried values are copied into the later stage's
     own tensors in place (`_take_carried`), which the stages do not do on split tensors; there the later
     stage's loop computes them itself, and the probe refuses it where that differs (`cut_inputs_problem`,
-    `placeholder_problem`)."""
+    `placeholder_problem`). `part_tuples`: the tuples of tensors the first stage's modules inside the decoder
+    stack gave (their stand-ins on a later stage), carried entry by entry ("tuple:I") where the loop hands one
+    to the layers (Mistral-Large-4's rotary (cos, sin), from a rotary embedding with a parameter)."""
     if isinstance(ids, DTensor):
         return ()
     lead = tuple(ids.shape[:2])
@@ -1023,6 +1058,10 @@ def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
             entries.append((name, "base" if _carried_base(value, lead) else "value"))
         elif _shared_states(value, lead[0]):
             entries += [(name, f"dict:{i}:{key}") for key, states in value.items() for i in range(len(states))]
+        elif any(value is t for t in part_tuples) and all(
+                v.is_floating_point() and v.ndim > 2 and v.shape[0] in (1, lead[0]) and v.shape[1] == lead[1]
+                and not isinstance(v, DTensor) for v in value):
+            entries += [(name, f"tuple:{i}") for i in range(len(value))]
     return tuple(entries)
 
 
@@ -1046,6 +1085,9 @@ def _layer_pieces(entries: tuple, layer_kwargs: dict, index: int) -> list:
         value = layer_kwargs.get(name)
         if kind == "base" and isinstance(value, torch.Tensor):
             value = value._base
+        if kind.startswith("tuple:"):
+            i = int(kind.split(":", 1)[1])
+            value = value[i] if isinstance(value, tuple) and len(value) > i else None
         if kind.startswith("dict:"):
             _, i, key = kind.split(":", 2)
             states = value.get(key) if isinstance(value, Mapping) else None
