@@ -674,12 +674,13 @@ def train_census_type_pp2(rank, world, model_type):
     return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zaya", "gemma3n_text", "hy_v4", "mistral_large4"])
+@pytest.mark.parametrize("model_type", ["zamba", "zaya", "gemma3n_text", "hy_v4", "mistral_large4", "gemma4_text"])
 def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model_type):
     """Zamba's loop hands every layer a clone of the embeddings, Zaya's each layer the router states the
     layer before returned, Gemma 3n's "reuse" layers the K/V its "store" layers left in shared_kv_states,
     HY-V4's "shared" DSA layer the top-k indices (integers) the layer before selected, Mistral-Large-4's
-    every layer the (cos, sin) of a rotary embedding with a trained parameter: carried across the cut
+    every layer the (cos, sin) of a rotary embedding with a trained parameter, Gemma 4's every layer its slice
+    of per-layer inputs that a later stage cannot derive (it reverses the embeddings): carried across the cut
     with the hidden state, pp=2 over gloo trains as one process (the loss, and every parameter's gradient on
     the rank that holds it, within 1e-5: the K/V's gradient flows back to the first stage's layer)."""
     from hyper_parallel.tools.auto_models import build_model_type
@@ -696,6 +697,55 @@ def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model
             torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
             held[name] = grad
     assert set(held) == set(plain), sorted(set(plain) ^ set(held))
+
+
+def _gemma4_shared_kv():
+    """The census's tiny Gemma 4 text model (per-layer input embeddings) with 4 layers, the last 2 reusing the
+    K/V that layers 0 (sliding) and 1 (full attention) store; and its inputs."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type("gemma4_text", 0)
+    config = case.model.config.to_dict()
+    config.update(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2)
+    config = type(case.model.config)(**{k: v for k, v in config.items() if k not in ("kv_sharing_modes",
+                                                                                       "per_layer_config")})
+    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    torch.manual_seed(0)
+    return type(case.model)(config).float(), case
+
+
+def train_gemma4_shared_kv_pp2(rank, world, split):
+    """Worker: one 1F1B step of `_gemma4_shared_kv` over pp=2 cut before layer `split`: loss, this rank's grads."""
+    import hyper_parallel as hp
+    model, case = _gemma4_shared_kv()
+    inputs = dict(case.inputs)
+    ids = inputs.pop("input_ids")
+    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b", n_microbatches=2,
+                       split_points=[split])
+    model.train()
+    loss = pipe.step(ids, labels=case.labels["labels"], **inputs)
+    return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_pp2_gemma4_kv_shared_across_the_cut_matches_one_process(dist2, split):
+    """Gemma 4's last layers reuse the K/V that earlier "store" layers left in shared_kv_states: cut before
+    layer 1, 2 or 3, the K/V stored on the first stage cross to the second with the hidden state, and the
+    per-layer inputs the second stage cannot derive (no embeddings there to reverse) too; pp=2 over gloo
+    trains as one process (the loss, and every gradient, the store layers' k/v projections' included, within
+    1e-5)."""
+    model, case = _gemma4_shared_kv()
+    model.train()
+    want = model(**case.inputs, **case.labels).loss
+    want.backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    held = {}
+    for loss, grads in dist2.run(train_gemma4_shared_kv_pp2, split):
+        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(plain), sorted(set(plain) ^ set(held))
+    assert any(".k_proj." in n for n in held)
 
 
 def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
