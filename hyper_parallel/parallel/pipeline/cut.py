@@ -30,8 +30,13 @@ mask, position ids given by the caller) need no carrying. So is what the decoder
 stage's first layer besides the hidden state, per token (`CarrySpec.layer_entries`: Zamba's clone of the
 embeddings, Zaya's router states, Inkling2's block stack, Gemma-style per-layer slices as their whole
 tensor): the later stage copies it into the tensor its own loop holds there (`_take_carried`), so its
-later layers get the real values too; the probe's second run on random placeholders refuses a stage whose
-layers still get something computed from them (`placeholder_problem`).
+later layers get the real values too. Besides per-token tensors, what an earlier stage's layers leave for a
+later stage's crosses the cut the same way: the K/V that "store" layers put in the dict the loop hands every
+layer, for the "reuse" layers after them (Gemma 3n/4's `shared_kv_states`), integer states (HY-V4's shared
+DSA top-k indices), a tuple a first-stage module computed before the loop (Mistral-Large-4's rotary (cos,
+sin), which has a trained parameter); gradients flow back through all of them. Each cut carries what crosses
+it (`CarrySpec.later_entries`: the dict's keys grow as store layers run). The probe's second run on random
+placeholders refuses a stage whose layers still get something computed from them (`placeholder_problem`).
 """
 from __future__ import annotations
 
@@ -521,7 +526,8 @@ class CarrySpec:
     # what the loop hands a stage's first layer besides the hidden state, carried after the entries' pieces:
     # (name, "value") the tensor itself, (name, "base") the per-token tensor it is a view of, (name,
     # "dict:I:KEY") entry I of the tuple at KEY of a dict of batch-first tensors the layers fill and read
-    # (`_shared_states`: Gemma 3n/4's and Mistral-Large-4's shared K/V) (`_layer_pieces`)
+    # (`_shared_states`: Gemma 3n/4's and Mistral-Large-4's shared K/V), (name, "tuple:I") entry I of a tuple a
+    # first-stage module gave (Mistral-Large-4's rotary (cos, sin)) (`_layer_pieces`)
     layer_entries: tuple = ()
     # the same at the cuts after stages 1, 2, ... (one tuple per cut), found in the probe by the stage before
     # each cut: what crosses a cut may differ from cut to cut (the shared K/V are there only once their
