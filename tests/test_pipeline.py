@@ -480,29 +480,54 @@ HALF = ORDER_HIDDEN // 2
 # what the loop of `_stateful_model` hands its layers: "constant" a clone of the embeddings for every layer
 # (Zamba), "side" a half-width tensor computed from them (one object for every layer), "slices" per-layer
 # slices of one tensor computed before the loop (Gemma 3n), "state" what each layer returns for the next
-# (Zaya), "stack" a stack of the layers' inputs the loop grows (Inkling2); "recomputed" a per-layer input the
-# loop derives anew from the embeddings at each layer, which no stage hand-over can give a later stage
-LOOP_INPUTS = ("constant", "side", "slices", "state", "stack")
+# (Zaya), "stack" a stack of the layers' inputs the loop grows (Inkling2), "shared" a dict of (key, value)
+# tensors, batch first, that layers store and later layers read (Gemma 3n/4's shared K/V), "topk" integer
+# indices per token that the even layers select and the odd ones reuse (HY-V4's shared DSA top-k), "rotary"
+# a (cos, sin) tuple broadcast over the batch from a module with a parameter (Mistral-Large-4's rotary);
+# "recomputed" a per-layer input the loop derives anew from the embeddings at each layer, which no stage
+# hand-over can give a later stage
+LOOP_INPUTS = ("constant", "side", "slices", "state", "stack", "shared", "topk", "rotary")
 
 
 def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
     """A tiny causal LM whose decoder loop hands every layer, besides the hidden state, the `features`
-    (LOOP_INPUTS, "recomputed"), each a per-token tensor the layers mix into their output."""
+    (LOOP_INPUTS, "recomputed"): per-token tensors, a dict of tensors the layers fill and read, integer
+    indices, which the layers mix into their output."""
     import transformers
-    lines = ["import torch", "from torch import nn", "", "class Layer(nn.Module):", "    def __init__(self):",
+    lines = ["import torch", "from torch import nn", "", "class Rotary(nn.Module):", "    def __init__(self):",
+             "        super().__init__()", f"        self.alpha = nn.Parameter(torch.linspace(0.5, 1.5, {HALF}))", "",
+             "    def forward(self, x):",
+             "        angles = torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1) * self.alpha",
+             "        return angles.cos(), angles.sin()", "",
+             "class Layer(nn.Module):",
+             "    def __init__(self, index, n_layers, use_topk):",
              "        super().__init__()", f"        self.linear = nn.Linear({ORDER_HIDDEN}, {ORDER_HIDDEN})",
-             f"        self.gate = nn.Linear({HALF}, {HALF})", "",
-             "    def forward(self, x, constant=None, side=None, state=None, stack=None):",
+             f"        self.gate = nn.Linear({HALF}, {HALF})", f"        self.kv = nn.Linear({HALF}, {HALF})",
+             "        self.index, self.n_layers, self.use_topk = index, n_layers, use_topk", "",
+             "    def forward(self, x, constant=None, side=None, state=None, stack=None, shared=None, topk=None,",
+             "                rotary=None):",
              "        y = self.linear(x)",
+             "        y = y if rotary is None else y + (rotary[0] * rotary[1]).repeat(1, 1, 2)",
+             "        if shared is not None and self.index >= 1:   # reuse the last even layer's (k, v)",
+             "            k, v = shared['k0']",
+             f"            y = y + (k * v).transpose(1, 2).reshape(*y.shape[:-1], {HALF}).repeat(1, 1, 2)",
+             "        if shared is not None and self.index < self.n_layers - 1:   # store this layer's",
+             f"            kv = torch.tanh(self.kv(x[..., :{HALF}])).view(*x.shape[:-1], 2, {HALF // 2})",
+             "            kv = kv.transpose(1, 2)",
+             "            shared[f'k{self.index % 2}'] = (kv, kv + 1)",
+             "        if self.use_topk:",
+             "            topk = topk if self.index % 2 else x[..., :4].argsort(-1)[..., :2]",
+             "            y = y + torch.gather(y, -1, topk).mean(-1, keepdim=True)",
              "        y = y if constant is None else y + constant",
              "        y = y if side is None else y + side.repeat(1, 1, 2)",
              "        y = y if stack is None or stack.shape[-2] == 0 else y + stack.mean(-2)",
              "        y = torch.tanh(y)",
              f"        new_state = torch.tanh(self.gate(y[..., :{HALF}]) + (0 if state is None else state))",
-             "        return y + new_state.repeat(1, 1, 2), new_state", "",
+             "        return y + new_state.repeat(1, 1, 2), new_state, topk", "",
              "class Decoder(nn.Module):", "    def __init__(self, features, n_layers):", "        super().__init__()",
              "        self.features = tuple(features)", f"        self.embed = nn.Embedding({VOCAB}, {ORDER_HIDDEN})",
-             "        self.layers = nn.ModuleList(Layer() for _ in range(n_layers))", "",
+             "        self.rotary = Rotary() if 'rotary' in features else None",
+             "        self.layers = nn.ModuleList(Layer(i, n_layers, 'topk' in features) for i in range(n_layers))", "",
              "    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None):",
              "        if inputs_embeds is None:", "            inputs_embeds = self.embed(input_ids)",
              "        x, features, n = inputs_embeds, self.features, len(self.layers)",
@@ -512,12 +537,15 @@ def _stateful_model(features: tuple, n_layers: int, seed: int = 0):
              f"        per_layer = inputs_embeds[..., :{HALF}].unsqueeze(2) * scales",
              f"        stack = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, {ORDER_HIDDEN})",
              "        stack = stack if 'stack' in features else None",
-             "        state = None",
+             "        state, topk = None, None",
+             "        shared = {} if 'shared' in features else None",
+             "        rotary = self.rotary(inputs_embeds) if 'rotary' in features else None",
              "        for i, layer in enumerate(self.layers):",
              "            if 'slices' in features:", "                side = per_layer[:, :, i, :]",
              "            if 'recomputed' in features:",
              f"                side = inputs_embeds[..., :{HALF}] * (i + 1)",
-             "            new_x, new_state = layer(x, constant, side, state, stack)",
+             "            new_x, new_state, new_topk = layer(x, constant, side, state, stack, shared, topk, rotary)",
+             "            topk = new_topk if 'topk' in features else None",
              "            if stack is not None:", "                stack = torch.cat([stack, x.unsqueeze(-2)], dim=-2)",
              "            state = new_state if 'state' in features else None",
              "            x = new_x",
@@ -646,11 +674,15 @@ def train_census_type_pp2(rank, world, model_type):
     return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zaya"])
+@pytest.mark.parametrize("model_type", ["zamba", "zaya", "gemma3n_text", "hy_v4", "mistral_large4", "gemma4_text"])
 def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model_type):
     """Zamba's loop hands every layer a clone of the embeddings, Zaya's each layer the router states the
-    layer before returned: carried across the cut with the hidden state, pp=2 over gloo trains as one
-    process (the loss, and every parameter's gradient on the rank that holds it, within 1e-5)."""
+    layer before returned, Gemma 3n's "reuse" layers the K/V its "store" layers left in shared_kv_states,
+    HY-V4's "shared" DSA layer the top-k indices (integers) the layer before selected, Mistral-Large-4's
+    every layer the (cos, sin) of a rotary embedding with a trained parameter, Gemma 4's every layer its slice
+    of per-layer inputs that a later stage cannot derive (it reverses the embeddings): carried across the cut
+    with the hidden state, pp=2 over gloo trains as one process (the loss, and every parameter's gradient on
+    the rank that holds it, within 1e-5: the K/V's gradient flows back to the first stage's layer)."""
     from hyper_parallel.tools.auto_models import build_model_type
     case = build_model_type(model_type, 0)
     model = case.model.float().train()
@@ -660,6 +692,71 @@ def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model
     results = dist2.run(train_census_type_pp2, model_type)
     held = {}
     for loss, grads in results:
+        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(plain), sorted(set(plain) ^ set(held))
+
+
+# census types given layers that leave state for later layers: Gemma 4's last 2 of 4 layers reuse the K/V
+# that layers 0 (sliding) and 1 (full attention) store; Mistral-Large-4's layers 1 and 2 reuse layer 0's latent
+# K/V, and its "shared" DSA layers 1 and 3 the top-k indices of layers 0 and 2
+SHARED_STATE_CONFIGS = {
+    "gemma4_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "mistral_large4": {"kv_source_layers": [0, 0, 0, 3], "no_rope_layers": [1, 1, 1, 0],
+                       "indexer_types": ["full", "shared", "full", "shared"]},
+}
+
+
+def _shared_state_model(model_type: str):
+    """The census's tiny `model_type` with its text config changed by SHARED_STATE_CONFIGS (rebuilt, so that
+    what the config derives follows), random weights from seed 0; and the census's inputs."""
+    import copy
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type(model_type, 0)
+    config = copy.deepcopy(case.model.config)
+    text = config.get_text_config()
+    fields = {**text.to_dict(), **SHARED_STATE_CONFIGS[model_type]}
+    rebuilt = type(text)(**{k: v for k, v in fields.items() if k not in ("kv_sharing_modes", "per_layer_config")})
+    if text is config:
+        config = rebuilt
+    else:
+        config.text_config = rebuilt
+    assert "reuse" in rebuilt.kv_sharing_modes
+    torch.manual_seed(0)
+    return type(case.model)(config).float(), case
+
+
+def train_shared_state_pp2(rank, world, model_type, split):
+    """Worker: one 1F1B step of `_shared_state_model` over pp=2 cut before layer `split`: loss, this rank's
+    gradients."""
+    import hyper_parallel as hp
+    model, case = _shared_state_model(model_type)
+    inputs = dict(case.inputs)
+    ids = inputs.pop("input_ids")
+    pipe = hp.pipeline(model, hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b", n_microbatches=2,
+                       split_points=[split])
+    model.train()
+    loss = pipe.step(ids, labels=case.labels["labels"], **inputs)
+    return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("model_type", sorted(SHARED_STATE_CONFIGS))
+def test_pp2_state_shared_across_the_cut_matches_one_process(dist2, model_type, split):
+    """Layers that reuse the K/V (and top-k indices) earlier layers left them: cut before layer 1, 2 or 3,
+    what the first stage's layers stored crosses to the second with the hidden state (and Gemma 4's per-layer
+    inputs, which the second stage cannot derive without the embeddings); pp=2 over gloo trains as one
+    process (the loss, and every gradient, the storing layers' K/V projections' included, within 1e-5)."""
+    model, case = _shared_state_model(model_type)
+    model.train()
+    want = model(**case.inputs, **case.labels).loss
+    want.backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    held = {}
+    for loss, grads in dist2.run(train_shared_state_pp2, model_type, split):
         assert loss == pytest.approx(float(want.detach()), abs=1e-5)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")

@@ -474,8 +474,7 @@ class Pipeline:
                 state.recording, state.exit_inputs, state.entry_inputs = True, None, None
                 try:
                     out, prints = self._dry_run(views[index], state, received, micro, scramble=False)
-                    if index == 0:
-                        spec = self._carry["spec"]
+                    spec = self._carry["spec"]   # a middle stage adds what its cut carries (cut.CarrySpec)
                     problem = None if index == 0 else cut.cut_inputs_problem(exits, state.entry_inputs,
                                                                              type(self.model).__name__, index)
                     if problem is None and index > 0:
@@ -677,6 +676,16 @@ class CountedStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
         return collectives.record_p2p(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _to_tensor(self, arg):
+        """torch's metadata inference runs a later stage's forward on tensors made from the received pieces'
+        metadata, uninitialised: zeros instead, so that an integer piece (the top-k token indices a DSA layer
+        hands the next, cut.CarrySpec.layer_entries) indexes within bounds there as the real values do."""
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
 
 
 def _forward_only(stages: list, n_microbatches: int, pp: int, style: str):

@@ -30,8 +30,13 @@ mask, position ids given by the caller) need no carrying. So is what the decoder
 stage's first layer besides the hidden state, per token (`CarrySpec.layer_entries`: Zamba's clone of the
 embeddings, Zaya's router states, Inkling2's block stack, Gemma-style per-layer slices as their whole
 tensor): the later stage copies it into the tensor its own loop holds there (`_take_carried`), so its
-later layers get the real values too; the probe's second run on random placeholders refuses a stage whose
-layers still get something computed from them (`placeholder_problem`).
+later layers get the real values too. Besides per-token tensors, what an earlier stage's layers leave for a
+later stage's crosses the cut the same way: the K/V that "store" layers put in the dict the loop hands every
+layer, for the "reuse" layers after them (Gemma 3n/4's `shared_kv_states`), integer states (HY-V4's shared
+DSA top-k indices), a tuple a first-stage module computed before the loop (Mistral-Large-4's rotary (cos,
+sin), which has a trained parameter); gradients flow back through all of them. Each cut carries what crosses
+it (`CarrySpec.later_entries`: the dict's keys grow as store layers run). The probe's second run on random
+placeholders refuses a stage whose layers still get something computed from them (`placeholder_problem`).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -470,6 +476,13 @@ class _Absent(nn.Module):
         spec = state.carry.get("spec")
         tail = dict(spec.part_tails).get(self.__dict__["_hp_path"]) if spec is not None else None
         dtype = x.dtype if x.is_floating_point() else hidden.dtype
+        if isinstance(tail, tuple) and tail[:1] == ("tuple",) and x.ndim >= 2:
+            # a tuple the module gave (Mistral-Large-4's rotary embedding, which has a parameter: (cos, sin)),
+            # each entry batch-first or broadcast over the batch as there (`_part_shape_hook`)
+            out = tuple(_placeholder(state, (1 if one else x.shape[0], x.shape[1]) + rest, dtype, hidden.device)
+                        for one, rest in tail[1:])
+            state.part_tuples.append(out)   # the carried values go into it, and on to the next cut
+            return out
         if tail is not None and x.ndim >= 2:
             return _placeholder(state, tuple(x.shape[:2]) + tail, dtype, hidden.device)
         if x.is_floating_point() and not (x.ndim == 2 and tuple(x.shape) == tuple(hidden.shape[:2])):
@@ -511,11 +524,24 @@ class CarrySpec:
     layer_output: int = 0   # what a decoder layer returns: 0 a tensor, n a tuple of n (the stand-ins mimic it)
     embed_tail: tuple | None = None   # the embeddings' dims after (batch, sequence), when not the hidden state's
     # what the loop hands a stage's first layer besides the hidden state, carried after the entries' pieces:
-    # (name, "value") the tensor itself, (name, "base") the per-token tensor it is a view of (`_layer_pieces`)
+    # (name, "value") the tensor itself, (name, "base") the per-token tensor it is a view of, (name,
+    # "dict:I:KEY") entry I of the tuple at KEY of a dict of batch-first tensors the layers fill and read
+    # (`_shared_states`: Gemma 3n/4's and Mistral-Large-4's shared K/V), (name, "tuple:I") entry I of a tuple a
+    # first-stage module gave (Mistral-Large-4's rotary (cos, sin)) (`_layer_pieces`)
     layer_entries: tuple = ()
+    # the same at the cuts after stages 1, 2, ... (one tuple per cut), found in the probe by the stage before
+    # each cut: what crosses a cut may differ from cut to cut (the shared K/V are there only once their
+    # "store" layers have run)
+    later_entries: tuple = ()
     # the first stage's modules the decoder stack calls before its layers: (path, output dims after (batch,
     # sequence)), which their stand-ins on later stages give (`_Absent`)
     part_tails: tuple = ()
+
+    def cut_entries(self, cut: int) -> tuple | None:
+        """The layer entries carried at the cut after stage `cut` (None: not known yet)."""
+        if cut == 0:
+            return self.layer_entries
+        return self.later_entries[cut - 1] if cut <= len(self.later_entries) else None
 
 
 @dataclass
@@ -532,6 +558,7 @@ class StageState:
     layer_output: int = 0              # the form of a real layer's output, seen on the first stage
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
     part_tails: dict = field(default_factory=dict)   # first-stage module path -> its output's dims after (b, s)
+    part_tuples: list = field(default_factory=list)  # the tuples of tensors those modules gave in this forward
     recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
     exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
     entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
@@ -632,9 +659,14 @@ def _in_decoder(path: str, decoder: str) -> bool:
 
 def _part_shape_hook(state: StageState, path: str):
     """A first-stage module's forward hook (one the decoder stack holds): note its output's dims after (batch,
-    sequence), None where its calls differ or it gives no tensor (`_Absent` then keeps its old rule)."""
+    sequence), None where its calls differ or it gives no tensor (`_Absent` then keeps its old rule); for a
+    tuple of tensors ("tuple", (broadcast over the batch, dims after (batch, sequence)) per entry), the tuple
+    itself noted too, to carry it where the loop hands it to the layers (`_layer_entries`)."""
     def hook(module, args, output):
         tail = tuple(output.shape[2:]) if isinstance(output, torch.Tensor) and output.ndim >= 2 else None
+        if isinstance(output, tuple) and output and all(isinstance(o, torch.Tensor) and o.ndim >= 2 for o in output):
+            tail = ("tuple",) + tuple((o.shape[0] == 1, tuple(o.shape[2:])) for o in output)
+            state.part_tuples.append(output)
         if state.part_tails.setdefault(path, tail) != tail:
             state.part_tails[path] = None
     return hook
@@ -666,14 +698,14 @@ def _entry_hook(state: StageState):
             args = (hidden,) + tuple(args[1:])
         else:
             kwargs = {**kwargs, "hidden_states": hidden}
-        args, kwargs = _take_carried(state.layer_inject or {}, args, kwargs)
+        args, kwargs = _take_carried(state.layer_inject or [], args, kwargs)
         if state.recording:
             state.entry_inputs = per_token_inputs(_layer_inputs(args, kwargs), hidden)
         return args, kwargs
     return hook
 
 
-def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _take_carried(carried: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The first own layer's call with the carried layer inputs (`_layer_pieces`) in place of what this stage's
     loop computed from placeholders, so that its later layers get the real values as on one device too:
     - the loop handed None (a state the layers return and the loop passes on, Zaya's router states, which the
@@ -685,17 +717,33 @@ def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict
       later use of the object the loop holds (the same tensor handed to every layer, or a stack it grows
       from it) sees the real values;
     - the carried value is the base of the view it handed (Gemma 3n's per_layer_inputs[:, :, i, :]): copied
-      into the base of that view, so the slices the loop takes for the later layers are real too.
+      into the base of that view, so the slices the loop takes for the later layers are real too;
+    - the carried values are the entries of a dict the layers fill and read (`_shared_states`: the K/V an
+      earlier stage's layer stored for the "reuse" layers of this one): put into the dict the loop handed,
+      the one object every later layer gets, where it has no entry of that key yet;
+    - the carried value is an entry of a tuple a first-stage module gave (its stand-in's placeholders here):
+      copied into that entry, as a tensor of its own is.
     Anything else is left as the loop computed it: the probe compares it with the stage before
     (`cut_inputs_problem`) and checks that the stage's result does not depend on placeholders, which refuses it
     where it differs."""
     args, kwargs = list(args), dict(kwargs)
-    for name, (kind, value) in carried.items():
+    shared: dict = {}
+    for name, kind, value in carried:
         if name.startswith("argument "):
             i = int(name.split(" ", 1)[1])
             got = args[i] if i < len(args) else None
         else:
             i, got = None, kwargs.get(name)
+        if kind.startswith("dict:"):
+            _, _, key = kind.split(":", 2)
+            shared.setdefault((name, key), (got, []))[1].append(value)
+            continue
+        if kind.startswith("tuple:"):
+            index = int(kind.split(":", 1)[1])
+            got = got[index] if isinstance(got, tuple) and len(got) > index else None
+            if got is None:
+                continue
+            kind = "value"
         if kind == "value" and got is None:
             if i is None:
                 kwargs[name] = value
@@ -717,6 +765,9 @@ def _take_carried(carried: dict, args: tuple, kwargs: dict) -> tuple[tuple, dict
                 continue
             value = value.view(target.shape)
         target.copy_(value)
+    for (name, key), (got, values) in shared.items():
+        if isinstance(got, MutableMapping) and key not in got:
+            got[key] = tuple(values)
     return tuple(args), kwargs
 
 
@@ -776,6 +827,9 @@ def _stage_class(cls: type) -> type:
 
 # the caller's inputs that later stages hand the model again (the rest feed the first stage's towers)
 _EVERY_STAGE_INPUTS = ("attention_mask", "position_ids")
+# transformers' name of the (batch, sequence, layers, width) per-layer input embeddings a model's forward takes
+# precomputed (Gemma 3n, Gemma 4)
+PER_LAYER_INPUTS = "per_layer_inputs"
 
 
 # the probe's labels for the last stage, to compare the model's own loss with the pipeline's
@@ -858,8 +912,10 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         hidden_in = _enter(received[0], ids)
         n_entries = _piece_count(carried)
         state.inject = _decode(carried, received[1:1 + n_entries], ids, hidden_in)
-        state.layer_inject = {name: (kind, _enter(_ContiguousGrad.apply(p), ids)) for (name, kind), p in
-                              zip(carried.layer_entries, received[1 + n_entries:])}
+        state.layer_inject = [(name, kind, _ContiguousGrad.apply(p) if kind.startswith("dict:")
+                               else _enter(_ContiguousGrad.apply(p), ids))
+                              for (name, kind), p in zip(carried.cut_entries(spec.index - 1) or (),
+                                                         received[1 + n_entries:])]
         state.pending = hidden_in
         call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
         # per-sample features the decoder stack is handed, which the model's forward takes in place of its towers'
@@ -877,6 +933,14 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         lead = tuple(_leave(ids).shape[:2])
         shape = lead + (tail if tail is not None else tuple(local.shape[2:]))
         call["inputs_embeds"] = _enter(_placeholder(state, shape, local.dtype, local.device), ids)
+        per_layer = next((p for _, kind, p in state.layer_inject if kind == "base" and p.ndim == 4), None)
+        if per_layer is not None and PER_LAYER_INPUTS in _parameters(state.forward):
+            # the per-layer inputs the model's forward takes precomputed, which it otherwise derives from the
+            # token ids or reverses from the embeddings' table (Gemma 4's get_per_layer_inputs, which a later
+            # stage, without the first stage's embeddings, cannot): a placeholder of the carried per-layer
+            # inputs' shape, which the carried ones replace at the stage's first layer (`_take_carried`)
+            local_shape = tuple(_leave(per_layer).shape)
+            call[PER_LAYER_INPUTS] = _enter(_placeholder(state, local_shape, per_layer.dtype, local.device), ids)
     else:
         state.capture = {} if not spec.last else None
     try:
@@ -894,6 +958,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         captured, state.capture, state.inject, state.pending = state.capture, None, None, None
         state.layer_inject = None
         layer_kwargs, state.layer_kwargs = state.layer_kwargs, None
+        part_tuples, state.part_tuples = state.part_tuples, []
     if state.recording and hidden is not None:
         state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
     if spec.last:
@@ -912,20 +977,36 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                              f"GIT, CPM-Ant, BLT); a later stage rebuilds its masks and positions from "
                              f"the tokens and cannot run on the longer sequence: use dp/tp for this model")
         carry_spec, pieces = _encode(captured, call, ids)
-        layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids)
+        layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids, part_tuples)
         part_tails = tuple(sorted((k, v) for k, v in state.part_tails.items() if v is not None))
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail,
                                          layer_entries=layer_entries, part_tails=part_tails)
         known = state.carry.setdefault("spec", carry_spec)
-        if known != carry_spec:
+        if dataclasses.replace(known, later_entries=()) != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
                              f"state, the first one handed it {known}; feed micro-batches of one kind (the same "
                              f"modalities in every step of one input shape)")
     else:
-        carry_spec = state.carry["spec"]
+        carry_spec = _later_cut_entries(state, _layer_entries(layer_kwargs or {}, hidden, ids, part_tuples))
         pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:1 + _piece_count(carry_spec)]]
-    pieces += _layer_pieces(carry_spec.layer_entries, layer_kwargs or {}, spec.index)
+    pieces += _layer_pieces(carry_spec.cut_entries(spec.index), layer_kwargs or {}, spec.index)
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
+
+
+def _later_cut_entries(state: StageState, entries: tuple) -> CarrySpec:
+    """The carried spec with what a middle stage's loop hands the next stage's first layer (`entries`, its
+    `_layer_entries`) as the entries of the cut after it: noted the first time (the probe runs the stages in
+    order, and shares the spec with every rank), compared afterwards."""
+    spec, cut = state.carry["spec"], state.spec.index
+    known = spec.cut_entries(cut)
+    if known is None and len(spec.later_entries) == cut - 1:
+        spec = dataclasses.replace(spec, later_entries=spec.later_entries + (entries,))
+        state.carry["spec"] = spec
+    elif known != entries:
+        raise ValueError(f"pipeline: the decoder loop hands stage {cut + 1}'s first layer {entries} besides the "
+                         f"hidden state, the first micro-batch handed it {known}; feed micro-batches of one kind "
+                         f"(the same modalities in every step of one input shape)")
+    return spec
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -944,35 +1025,62 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _carried_layer_input(value, hidden, lead: tuple) -> bool:
-    """Whether the loop's `value` for a layer is carried to the next stage: a floating tensor per token
-    (`lead`: the tokens' (batch, sequence)), with trailing dims, other than the hidden state (a constant
-    computed before the loop, a state passed from layer to layer, a slice of per-layer inputs). What a later
-    stage's loop computes alike from the inputs every stage gets is carried too: copied over an equal value,
-    it changes nothing."""
-    return (isinstance(value, torch.Tensor) and value is not hidden and value.is_floating_point()
-            and value.ndim > 2 and tuple(value.shape[:2]) == lead)
+    """Whether the loop's `value` for a layer is carried to the next stage: a floating or integer tensor per
+    token (`lead`: the tokens' (batch, sequence)), with trailing dims, other than the hidden state (a constant
+    computed before the loop, a state passed from layer to layer, a slice of per-layer inputs; integer: the
+    top-k token indices a DSA layer selects and the next "shared" layers reuse, HY-V4's and Mistral-Large-4's
+    `prev_topk_indices`, which carry no gradient). What a later stage's loop computes alike from the inputs
+    every stage gets is carried too: copied over an equal value, it changes nothing. Not boolean masks,
+    which every stage rebuilds from the inputs it gets."""
+    return (isinstance(value, torch.Tensor) and value is not hidden and value.dtype != torch.bool
+            and not value.is_complex() and value.ndim > 2 and tuple(value.shape[:2]) == lead)
 
 
 def _carried_base(value: torch.Tensor, lead: tuple) -> bool:
     """Whether `value` is a view of a larger per-token tensor (the loop's slice of per-layer inputs computed
     before it, Gemma 3n's per_layer_inputs[:, :, i, :]), which is carried whole: the next stage's later
-    layers take their own slices of it."""
+    layers take their own slices of it. Not integer values: indices a layer selects and hands on (a top-k's
+    first k of a sort), a state the next stage's loop holds as None and takes as it is."""
     base = value._base
-    return base is not None and base.ndim >= 2 and tuple(base.shape[:2]) == lead and base.numel() > value.numel()
+    return (base is not None and value.is_floating_point() and base.ndim >= 2 and tuple(base.shape[:2]) == lead
+            and base.numel() > value.numel())
 
 
-def _layer_entries(layer_kwargs: dict, hidden, ids) -> tuple:
+def _layer_entries(layer_kwargs: dict, hidden, ids, part_tuples: Sequence = ()) -> tuple:
     """The first stage's `CarrySpec.layer_entries`: what the loop hands the next stage's first layer that is
     carried (`_carried_layer_input`), "value" or "base" (`_carried_base`). None with a tensor-parallel,
     expert or context split of the tokens (DTensors): the carried values are copied into the later stage's
     own tensors in place (`_take_carried`), which the stages do not do on split tensors; there the later
     stage's loop computes them itself, and the probe refuses it where that differs (`cut_inputs_problem`,
-    `placeholder_problem`)."""
+    `placeholder_problem`). `part_tuples`: the tuples of tensors the first stage's modules inside the decoder
+    stack gave (their stand-ins on a later stage), carried entry by entry ("tuple:I") where the loop hands one
+    to the layers (Mistral-Large-4's rotary (cos, sin), from a rotary embedding with a parameter)."""
     if isinstance(ids, DTensor):
         return ()
     lead = tuple(ids.shape[:2])
-    return tuple((name, "base" if _carried_base(value, lead) else "value") for name, value in layer_kwargs.items()
-                 if _carried_layer_input(value, hidden, lead) and not isinstance(value, DTensor))
+    entries = []
+    for name, value in layer_kwargs.items():
+        if _carried_layer_input(value, hidden, lead) and not isinstance(value, DTensor):
+            entries.append((name, "base" if _carried_base(value, lead) else "value"))
+        elif _shared_states(value, lead[0]):
+            entries += [(name, f"dict:{i}:{key}") for key, states in value.items() for i in range(len(states))]
+        elif any(value is t for t in part_tuples) and all(
+                v.is_floating_point() and v.ndim > 2 and v.shape[0] in (1, lead[0]) and v.shape[1] == lead[1]
+                and not isinstance(v, DTensor) for v in value):
+            entries += [(name, f"tuple:{i}") for i in range(len(value))]
+    return tuple(entries)
+
+
+def _shared_states(value, batch: int) -> bool:
+    """Whether the loop's `value` for a layer is a dict the layers fill and read, of tuples of batch-first
+    tensors under string keys: the K/V a "store" layer leaves for the "reuse" layers after it (transformers'
+    KVSharingDict: Gemma 3n's and Gemma 4's `shared_kv_states` per attention type, Mistral-Large-4's per rope
+    kind). Entries there at a cut were stored by an earlier stage's layers for the next stage's: carried
+    whole, each tensor a piece, the gradient flowing back through them to the layer that computed them."""
+    return (isinstance(value, Mapping) and bool(value) and all(
+        isinstance(k, str) and isinstance(v, tuple) and v and all(
+            isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.ndim >= 2 and t.shape[0] == batch
+            for t in v) for k, v in value.items()))
 
 
 def _layer_pieces(entries: tuple, layer_kwargs: dict, index: int) -> list:
@@ -983,6 +1091,20 @@ def _layer_pieces(entries: tuple, layer_kwargs: dict, index: int) -> list:
         value = layer_kwargs.get(name)
         if kind == "base" and isinstance(value, torch.Tensor):
             value = value._base
+        if kind.startswith("tuple:"):
+            i = int(kind.split(":", 1)[1])
+            value = value[i] if isinstance(value, tuple) and len(value) > i else None
+        if kind.startswith("dict:"):
+            _, i, key = kind.split(":", 2)
+            states = value.get(key) if isinstance(value, Mapping) else None
+            if not (isinstance(states, tuple) and len(states) > int(i) and isinstance(states[int(i)], torch.Tensor)):
+                raise ValueError(f"pipeline: the decoder loop handed stage {index + 1}'s first layer no {key!r} "
+                                 f"entry in {name!r} (states its layers store and later layers reuse), which the "
+                                 f"first stage carries (it handed it one there): the stages cannot agree on what "
+                                 f"they carry; split the stages elsewhere (split_points), or use dp/tp for this "
+                                 f"model")
+            pieces.append(states[int(i)])
+            continue
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"pipeline: the decoder loop handed stage {index + 1}'s first layer no {name!r} "
                              f"{'view of a tensor' if kind == 'base' else 'tensor'}, which the first stage "
