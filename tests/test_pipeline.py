@@ -687,6 +687,15 @@ def test_pp2_first_stage_inputs_and_towers_a_later_stage_reads_match_one_process
         assert error is None and equal, (error, detail)
 
 
+def test_pp2_stage_follows_the_models_train_mode(dist2):
+    """A stage's copies of the modules on the path to the layers take the model's mode at each forward: RWKV,
+    built in eval mode and set to train by `model.train()`, rescales its blocks when its own mode and the state
+    of its weights disagree (reading every block, other stages' stand-ins included); pp=2 trains it as one
+    process (loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, "rwkv"):
+        assert error is None and equal, (error, detail)
+
+
 @pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
                                                ("trocr", "own loss"), ("hrm_text", "placeholders"),
                                                ("xlnet", "own loss"), ("instructblip", "mixes the samples")])

@@ -635,6 +635,7 @@ class StageState:
     prints: list | None = None         # (layer, name, fingerprint) of what each own layer got (the probe)
     own_loss: Any = None               # the model's own loss on the probe's micro-batch (last stage)
     device: Any = None                 # where this forward's received hidden state lies (later stages)
+    holders: list = field(default_factory=list)   # (the view's copy, the model's module) on the path to the layers
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -661,6 +662,7 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         stand_in = _Exit if i == spec.layers.stop else _Skip if i < spec.layers.start else None
         layers._modules[key] = stand_in and _stand_in(stand_in, attributes[i])
     state = StageState(structure, spec, type(model).forward, carry)
+    state.holders = [(copies[holder], _get(model, holder)) for holder in structure.holders]
     for i in range(spec.layers.start):
         layers._modules[str(i)].__dict__["_hp_state"] = state
     if spec.first:
@@ -947,6 +949,10 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     (hidden, *carried), or the logits on the last stage."""
     state: StageState = self.__dict__["_hp_stage"]
     spec = state.spec
+    # the view's copies of the modules on the path are in the model's mode (`model.train()` sets the model's own
+    # modules, the children the copies share, not the copies): RWKV rescales its blocks when its mode changes
+    for copy, original in state.holders:
+        copy.training = original.training
     if BATCH_POSITIONS in inputs:   # this micro-batch's rows of the whole batch's positions (rows, batch, seq)
         inputs["position_ids"] = inputs.pop(BATCH_POSITIONS).movedim(0, 1)
     own_labels = inputs.pop(OWN_LOSS_LABELS, None)
