@@ -679,7 +679,7 @@ def test_pp2_first_stage_inputs_and_towers_a_later_stage_reads_match_one_process
     """What a later stage's forward reads of the first stage's inputs and modules: BLIP-2's forward requires
     pixel_values and input_ids and runs its vision tower and Q-Former whatever it is given (the caller's inputs,
     and stand-ins giving placeholders in the towers' output form: model outputs of the same shapes); Kosmos-2's
-    text model is handed the caller's image_embeds_position_mask (handed to the later stage's text model too);
+    text model reads the caller's image_embeds_position_mask (a per-token input: handed to every stage's forward);
     Kosmos-2.5's reads its segment embeddings' weight (a stand-in's zero-stride shadow), and fed text alone it
     carries image features no later stage uses (their modules get no gradient, as on one device, not zeros).
     pp=2 over gloo trains each as one process: the loss and every stage's gradient, None where it is None."""
@@ -687,12 +687,14 @@ def test_pp2_first_stage_inputs_and_towers_a_later_stage_reads_match_one_process
         assert error is None and equal, (error, detail)
 
 
-def test_pp2_stage_follows_the_models_train_mode(dist2):
-    """A stage's copies of the modules on the path to the layers take the model's mode at each forward: RWKV,
-    built in eval mode and set to train by `model.train()`, rescales its blocks when its own mode and the state
-    of its weights disagree (reading every block, other stages' stand-ins included); pp=2 trains it as one
-    process (loss and every stage's gradient)."""
-    for equal, error, detail in dist2.run(pipeline_census_type, "rwkv"):
+@pytest.mark.parametrize("model_type", ["rwkv", "molmo2"])
+def test_pp2_stage_follows_the_models_train_mode(dist2, model_type):
+    """A stage's copies of the modules on the path to the layers take the model's mode at each forward (built
+    in eval mode, set to train by `model.train()`): RWKV rescales its blocks when its own mode and the state of
+    its weights disagree (reading every block, other stages' stand-ins included); Molmo2 requires
+    mm_token_type_ids in train mode (a per-token input every stage's forward is handed). pp=2 trains each as
+    one process (loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, model_type):
         assert error is None and equal, (error, detail)
 
 

@@ -457,6 +457,8 @@ class Pipeline:
         runs every later stage a second time with random placeholders for the first stage's values
         (`cut.placeholder_problem`): what its layers get must not change, or something the stages do not
         hand each other reaches them (its output included: a second stream past the layers, HRM's).
+        The first stage runs the first two micro-batches together and each alone: a forward that mixes a
+        batch's samples gives them other values alone, and is refused (`_coupling_problem`).
         With `labels`, the last stage also computes the model's own loss on the micro-batch, which must be the
         pipeline's shifted token cross-entropy (`_own_loss_problem`).
         Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""

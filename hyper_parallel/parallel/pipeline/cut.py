@@ -32,6 +32,11 @@ embeddings, Zaya's router states, Inkling2's block stack, Gemma-style per-layer 
 tensor): the later stage copies it into the tensor its own loop holds there (`_take_carried`), so its
 later layers get the real values too; the probe's second run on random placeholders refuses a stage whose
 layers still get something computed from them (`placeholder_problem`).
+A later stage's forward is called with what it cannot be called without (BLIP-2's pixel_values and input_ids:
+the caller's own inputs) and the caller's per-token ids, types and flags (`_token_input`), in the model's
+train/eval mode; the towers it calls there whatever its inputs are stand-ins giving placeholders in the form
+their output had on the first stage (`_AbsentTower`, `CarrySpec.part_forms`), and the first stage's modules
+it reads show their parameters as zeros (`_Absent`, `Structure.part_tensors`).
 """
 from __future__ import annotations
 
@@ -223,8 +228,8 @@ def find_structure(model: nn.Module) -> Structure:
                          f"{layers_path}; the stage cutter cannot place it on the last stage")
     containers = tuple((path, isinstance(_get(model, path), nn.ModuleDict), tuple(_get(model, path)._modules))
                        for path in first if isinstance(_get(model, path), _CONTAINERS))
-    part_tensors = tuple((path, _own_tensors(module)) for path, module in _first_parts(model, first)
-                         if _own_tensors(module))
+    part_tensors = tuple((path, tensors) for path, tensors in
+                         ((path, _own_tensors(module)) for path, module in _first_parts(model, first)) if tensors)
     return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last),
                      tuple(first_params), tuple(last_params), containers, part_tensors)
 
@@ -604,9 +609,6 @@ class CarrySpec:
     # the first stage's modules the decoder stack calls before its layers: (path, output dims after (batch,
     # sequence)), which their stand-ins on later stages give (`_Absent`)
     part_tails: tuple = ()
-    # the caller's per-token inputs that the first stage's decoder stack was handed as they are, which later
-    # stages hand theirs from their own micro-batch (`stage_forward`)
-    caller_inputs: tuple = ()
     # the first stage's modules outside the decoder stack that its forward called: (path, `_form` of their
     # output), which their stand-ins on later stages give (`_AbsentTower`)
     part_forms: tuple = ()
@@ -975,10 +977,10 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         state.layer_inject = {name: (kind, _enter(_ContiguousGrad.apply(p), ids)) for (name, kind), p in
                               zip(carried.layer_entries, received[1 + n_entries:])}
         state.pending = hidden_in
-        state.inject.update((name, call[name]) for name in carried.caller_inputs if name in call)
         # what the forward cannot be called without (BLIP-2's pixel_values and input_ids) is the caller's own input,
         # as on the first stage: the towers that take it are stand-ins here (`_AbsentTower`)
-        call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",) + _required(state.forward)}
+        call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",) + _required(state.forward)
+                or _token_input(v, ids)}
         # per-sample features the decoder stack is handed, which the model's forward takes in place of its towers'
         # inputs (Kosmos-2's image_embeds for pixel_values): handed to it too, as one device's forward passes them on
         call.update((name, state.inject[name]) for name, kind in carried.entries
@@ -1178,18 +1180,13 @@ def _encode(captured: dict, call: dict, ids) -> tuple[CarrySpec, list]:
     (batch, sequence, ...) tensors, and the spec that decodes them (what the loop hands the layers besides
     the hidden state: `_layer_entries`)."""
     batch, seq = tuple(ids.shape[:2])
-    entries, constants, pieces, masks, caller = [], [], [], {}, []
+    entries, constants, pieces, masks = [], [], [], {}
     lists = []
     for name, value in captured.items():
         if name in ("input_ids", "inputs_embeds", "use_cache") or value is None:
             continue
         if name in call and value is call[name]:
-            # the caller's own input, which every stage gets: one per token that later stages do not hand the
-            # model's forward is handed to their decoder stack as here (Kosmos-2's image_embeds_position_mask)
-            if (name not in _EVERY_STAGE_INPUTS and isinstance(value, torch.Tensor)
-                    and tuple(value.shape[:2]) == (batch, seq)):
-                caller.append(name)
-            continue
+            continue  # the caller's own input, which every stage gets
         if isinstance(value, (bool, int, float, str)):
             constants.append((name, value))
         elif isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (batch, seq):
@@ -1232,7 +1229,7 @@ def _encode(captured: dict, call: dict, ids) -> tuple[CarrySpec, list]:
             dense = v.new_zeros((batch, seq, v.shape[-1]))
             dense[masks[mask]] = v
             pieces.append(dense)
-    return CarrySpec(tuple(entries), tuple(constants), caller_inputs=tuple(caller)), pieces
+    return CarrySpec(tuple(entries), tuple(constants)), pieces
 
 
 def _decode(carry: CarrySpec, pieces: Sequence[torch.Tensor], ids, hidden) -> dict:
@@ -1287,6 +1284,15 @@ def _parameters(forward) -> tuple:
         return tuple(inspect.signature(forward).parameters)
     except (TypeError, ValueError):
         return ()
+
+
+def _token_input(value, ids) -> bool:
+    """Whether a caller's input is one per token of ids, types or flags (Kosmos-2's image_embeds_position_mask,
+    Molmo2's mm_token_type_ids), which a later stage hands the model's forward as the first stage does, as it
+    does the attention mask: the forward reads it beside the towers (where an image's features go, which
+    positions attend both ways), not only in them."""
+    return (isinstance(value, torch.Tensor) and value is not ids and not value.is_floating_point()
+            and value.ndim >= 2 and tuple(value.shape[:2]) == tuple(ids.shape[:2]))
 
 
 def _required(forward) -> tuple:
