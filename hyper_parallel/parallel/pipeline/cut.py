@@ -1065,7 +1065,7 @@ class _NoGradForZeros(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad if bool(grad.any()) else None
+        return grad if grad.is_meta or bool(grad.any()) else None   # meta (hp.plan): no values to look at
 
 
 class _ContiguousGrad(torch.autograd.Function):
