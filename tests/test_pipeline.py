@@ -771,14 +771,40 @@ def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
         assert error is None and equal, (error, detail)
 
 
+@pytest.mark.parametrize("model_type", ["blip-2", "kosmos-2", "kosmos-2.5"])
+def test_pp2_first_stage_inputs_and_towers_a_later_stage_reads_match_one_process(dist2, model_type):
+    """What a later stage's forward reads of the first stage's inputs and modules: BLIP-2's forward requires
+    pixel_values and input_ids and runs its vision tower and Q-Former whatever it is given (the caller's inputs,
+    and stand-ins giving placeholders in the towers' output form: model outputs of the same shapes); Kosmos-2's
+    text model reads the caller's image_embeds_position_mask (a per-token input: handed to every stage's forward);
+    Kosmos-2.5's reads its segment embeddings' weight (a stand-in's zero-stride shadow), and fed text alone it
+    carries image features no later stage uses (their modules get no gradient, as on one device, not zeros).
+    pp=2 over gloo trains each as one process: the loss and every stage's gradient, None where it is None."""
+    for equal, error, detail in dist2.run(pipeline_census_type, model_type):
+        assert error is None and equal, (error, detail)
+
+
+@pytest.mark.parametrize("model_type", ["rwkv", "molmo2"])
+def test_pp2_stage_follows_the_models_train_mode(dist2, model_type):
+    """A stage's copies of the modules on the path to the layers take the model's mode at each forward (built
+    in eval mode, set to train by `model.train()`): RWKV rescales its blocks when its own mode and the state of
+    its weights disagree (reading every block, other stages' stand-ins included); Molmo2 requires
+    mm_token_type_ids in train mode (a per-token input every stage's forward is handed). pp=2 trains each as
+    one process (loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, model_type):
+        assert error is None and equal, (error, detail)
+
+
 @pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
                                                ("trocr", "own loss"), ("hrm_text", "placeholders"),
-                                               ("xlnet", "own loss")])
+                                               ("xlnet", "own loss"), ("instructblip", "mixes the samples")])
 def test_pp2_census_types_that_cannot_be_cut_are_refused_on_every_rank(dist2, model_type, reason):
     """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), TrOCR's and
     XLNet's own losses are unshifted (XLNet's later stage runs on its sequence-first layout, placeholders
-    batch first), HRM adds its embeddings to its stacks' output (a second stream): each refused with its reason
-    on both ranks, not trained wrong."""
+    batch first), HRM adds its embeddings to its stacks' output (a second stream), the census's InstructBLIP
+    has one image token for 32 query features (its forward scatters one sample's features into the next's
+    tokens: a micro-batch alone gets other values): each refused with its reason on both ranks, not trained
+    wrong."""
     results = dist2.run(pipeline_census_type, model_type)
     for equal, error, detail in results:
         assert not equal and error is not None and reason in error, (error, detail)

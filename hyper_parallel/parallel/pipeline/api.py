@@ -457,6 +457,8 @@ class Pipeline:
         runs every later stage a second time with random placeholders for the first stage's values
         (`cut.placeholder_problem`): what its layers get must not change, or something the stages do not
         hand each other reaches them (its output included: a second stream past the layers, HRM's).
+        The first stage runs the first two micro-batches together and each alone: a forward that mixes a
+        batch's samples gives them other values alone, and is refused (`_coupling_problem`).
         With `labels`, the last stage also computes the model's own loss on the micro-batch, which must be the
         pipeline's shifted token cross-entropy (`_own_loss_problem`).
         Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
@@ -475,8 +477,10 @@ class Pipeline:
                 try:
                     out, prints = self._dry_run(views[index], state, received, micro, scramble=False)
                     spec = self._carry["spec"]   # a middle stage adds what its cut carries (cut.CarrySpec)
-                    problem = None if index == 0 else cut.cut_inputs_problem(exits, state.entry_inputs,
-                                                                             type(self.model).__name__, index)
+                    if index == 0:
+                        problem = self._coupling_problem(views[index], state, input_ids, inputs)
+                    else:
+                        problem = cut.cut_inputs_problem(exits, state.entry_inputs, type(self.model).__name__, index)
                     if problem is None and index > 0:
                         exit_inputs = state.exit_inputs
                         _, scrambled = self._dry_run(views[index], state, received, micro, scramble=True)
@@ -501,6 +505,60 @@ class Pipeline:
             exits = result[3] if len(result) > 3 else None   # hp.plan's stand-ins send none
             self._carry["spec"] = spec
         return spec
+
+    def _coupling_problem(self, view: nn.Module, state, input_ids: torch.Tensor,
+                          inputs: dict) -> str | None:
+        """Why the first stage's output for each of the first two micro-batches alone is not its rows of the
+        output for the two together, or None: equal, or not comparable (one micro-batch, a stage that
+        splits its inputs itself: expert/context parallel's steps).
+
+        Why: the schedule runs the model's forward on each micro-batch alone, one device on the whole batch; a
+        forward that mixes samples (InstructBLIP fed fewer image tokens than it has query features scatters one
+        sample's features into the next's tokens, across the batch) gives each micro-batch other values than
+        its rows have on one device, a wrong result no error would show. Run in eval mode (dropout draws other
+        masks for another batch size), with no gradients; the carried spec of the first micro-batch is kept."""
+        stage_feed = feed.feed_of(view)
+        if self.n_microbatches < 2 or (stage_feed is not None and stage_feed.steps):
+            return None
+        pair = {k: torch.cat(v.tensor_split(self.n_microbatches)[:2])
+                for k, v in dict(input_ids=input_ids, **inputs).items()}
+        modes = [(m, m.training) for m in view.modules()]
+        saved, exit_inputs, recording = self._carry.pop("spec", None), state.exit_inputs, state.recording
+        state.recording = False
+        try:
+            view.eval()
+            both, _ = self._dry_run(view, state, (pair["input_ids"],), pair, scramble=False)
+            alone = []
+            for half in range(2):
+                self._carry.pop("spec", None)
+                alone.append(self._dry_run(view, state, (pair["input_ids"].tensor_split(2)[half],),
+                                           {k: v.tensor_split(2)[half] for k, v in pair.items()}, scramble=False)[0])
+        except Exception:   # the stage cannot run on two micro-batches at once (a carried input of one row per
+            return None     # micro-batch: PaliGemma's position_ids): nothing to compare; the real run stands
+        finally:
+            for m, mode in modes:
+                m.training = mode
+            self._carry["spec"], state.exit_inputs, state.recording = saved, exit_inputs, recording
+        rows = pair["input_ids"].shape[0] // 2
+        compared = [(i, half, a, b) for half in range(2) for i, (a, b) in enumerate(zip(alone[half], both))]
+        for i, half, a, b in compared:
+            if not isinstance(a, torch.Tensor) or a.is_meta or not a.is_floating_point():
+                continue
+            if b.ndim and b.shape[0] == 2 * a.shape[0] == 2 * rows and b.shape[1:] == a.shape[1:]:
+                b = b[half * rows:(half + 1) * rows]
+            elif b.ndim > 1 and b.shape[1] == 2 * a.shape[1] == 2 * rows and b.shape[0] == a.shape[0]:
+                b = b[:, half * rows:(half + 1) * rows]   # sequence first (XLNet's hidden state)
+            else:
+                continue
+            scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+            if b.numel() and float((a.float() - b.float()).abs().max()) > 1e-4 * scale:
+                return (f"pipeline: {type(self.model).__name__}'s first stage gives a micro-batch other values "
+                        f"(its output {i}) alone than in a batch with the next one: the model's forward mixes the "
+                        f"samples of a batch (features scattered into placeholder tokens of another sample: fewer "
+                        f"placeholder tokens than features), so the pipeline's micro-batches would train on other "
+                        f"values than one device does; feed as many placeholder tokens as the model has features "
+                        f"per sample, or use n_microbatches=1 or dp/tp for this model")
+        return None
 
     def _dry_run(self, view: nn.Module, state, received: tuple, micro: dict, scramble: bool):
         """One run of a stage in the probe (no gradients) from the random generators' current state, which is

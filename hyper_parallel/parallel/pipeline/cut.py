@@ -37,6 +37,11 @@ DSA top-k indices), a tuple a first-stage module computed before the loop (Mistr
 sin), which has a trained parameter); gradients flow back through all of them. Each cut carries what crosses
 it (`CarrySpec.later_entries`: the dict's keys grow as store layers run). The probe's second run on random
 placeholders refuses a stage whose layers still get something computed from them (`placeholder_problem`).
+A later stage's forward is called with what it cannot be called without (BLIP-2's pixel_values and input_ids:
+the caller's own inputs) and the caller's per-token ids, types and flags (`_token_input`), in the model's
+train/eval mode; the towers it calls there whatever its inputs are stand-ins giving placeholders in the form
+their output had on the first stage (`_AbsentTower`, `CarrySpec.part_forms`), and the first stage's modules
+it reads show their parameters as zeros (`_Absent`, `Structure.part_tensors`).
 """
 from __future__ import annotations
 
@@ -78,6 +83,9 @@ class Structure:
     # the first stage's lists / dicts of modules: (path, is a dict, their keys), whose stand-ins later stages
     # index as the forward does (`_absent`), known after pruning too
     containers: tuple = ()
+    # the first stage's modules' own parameters and buffers: (path, ((name, shape, dtype), ...)), which their
+    # stand-ins on later stages show as zeros (`_Absent`), known after pruning too
+    part_tensors: tuple = ()
 
     @property
     def layers_path(self) -> str:
@@ -226,8 +234,26 @@ def find_structure(model: nn.Module) -> Structure:
                          f"{layers_path}; the stage cutter cannot place it on the last stage")
     containers = tuple((path, isinstance(_get(model, path), nn.ModuleDict), tuple(_get(model, path)._modules))
                        for path in first if isinstance(_get(model, path), _CONTAINERS))
+    part_tensors = tuple((path, tensors) for path, tensors in
+                         ((path, _own_tensors(module)) for path, module in _first_parts(model, first)) if tensors)
     return Structure(tuple(chain), layers_name, len(layers), decoder_path, tuple(first), tuple(last),
-                     tuple(first_params), tuple(last_params), containers)
+                     tuple(first_params), tuple(last_params), containers, part_tensors)
+
+
+def _first_parts(model: nn.Module, first: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The first stage's modules by path, a list's or dict's entries as `path.key` (as their stand-ins are)."""
+    out = []
+    for path in first:
+        module = _get(model, path)
+        out += ([(_join(path, key), part) for key, part in module._modules.items() if part is not None]
+                if isinstance(module, _CONTAINERS) else [(path, module)])
+    return out
+
+
+def _own_tensors(module: nn.Module) -> tuple:
+    """`module`'s own parameters and buffers (not its children's) as (name, shape, dtype)."""
+    tensors = {**module._parameters, **module._buffers}
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items() if t is not None)
 
 
 def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
@@ -462,10 +488,21 @@ class _Absent(nn.Module):
     it gives is replaced by the carried values at the stage's first layer, or is refused by the probe where
     the stage depends on it (`placeholder_problem`)."""
 
-    def __init__(self, state: "StageState", path: str = ""):
+    def __init__(self, state: "StageState", path: str = "", tensors: tuple = ()):
         super().__init__()
         self.__dict__["_hp_state"] = state
         self.__dict__["_hp_path"] = path
+        self.__dict__["_hp_tensors"] = {name: (shape, dtype) for name, shape, dtype in tensors}
+
+    def __getattr__(self, name: str):
+        """The real module's own parameters and buffers, as zeros of their shapes (no memory: one element
+        expanded) on the stage's device: a forward reads them besides calling the module (Kosmos-2.5's
+        `self.segment_emb.weight.device`); what it computes from them is a placeholder's value too."""
+        tensors = self.__dict__.get("_hp_tensors") or {}
+        if name in tensors:
+            shape, dtype = tensors[name]
+            return torch.zeros((), dtype=dtype, device=self.__dict__["_hp_state"].device).expand(shape)
+        return super().__getattr__(name)
 
     def forward(self, *args, **kwargs):
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -493,14 +530,70 @@ class _Absent(nn.Module):
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
-def _absent(structure: "Structure", state: "StageState", path: str) -> nn.Module:
-    """The `_Absent` stand-in of a first-stage module on a later stage; of a list or dict of modules, one of the
-    same kind holding a stand-in per entry (Gemma 3n's altup projections, indexed by its forward)."""
+class _AbsentTower(_Absent):
+    """On a later stage, a module of the first stage outside the decoder stack (a vision tower, a Q-Former, a
+    projector) that the model's forward calls there too, whatever its inputs (BLIP-2 runs its towers before
+    anything else): placeholders in the form the real module's output had on the first stage
+    (`CarrySpec.part_forms`: the same model output class, tensors of the same shapes), which the forward turns
+    into a placeholder input of the decoder stack, replaced by the received hidden state at the stage's first
+    layer (the probe refuses a stage whose layers get something computed from them). A module whose output is
+    not known there (not called on the first stage, or not a form `_form` describes) is refused."""
+
+    def forward(self, *args, **kwargs):
+        state = self.__dict__["_hp_state"]
+        spec = state.carry.get("spec")
+        form = dict(spec.part_forms).get(self.__dict__["_hp_path"]) if spec is not None else None
+        if form is None:
+            raise RuntimeError(f"pipeline: stage {state.spec.index} calls {self.__dict__['_hp_path']}, a module of "
+                               f"the first stage whose output there is not known (not called there, or not "
+                               f"tensors in tuples or model outputs); the stage cannot stand in for it: use dp/tp "
+                               f"for this model")
+        return _from_form(form, state)
+
+
+def _form(value) -> tuple | None:
+    """A description of a module's output from which a later stage builds placeholders of it (`_from_form`):
+    ("tensor", shape, dtype), ("value", a constant), ("output", model output class, ((key, form), ...)),
+    ("tuple" | "list", (form, ...)); None where it holds anything else (a DTensor: a split the stages would
+    have to lay out alike)."""
+    if isinstance(value, DTensor):
+        return None
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("value", value)
+    if isinstance(value, dict) and dataclasses.is_dataclass(value):   # transformers' ModelOutput
+        fields = tuple((key, _form(v)) for key, v in value.items())
+        return None if any(f is None for _, f in fields) else ("output", type(value), fields)
+    if type(value) in (tuple, list):
+        items = tuple(_form(v) for v in value)
+        return None if any(f is None for f in items) else (type(value).__name__, items)
+    return None
+
+
+def _from_form(form: tuple, state: "StageState"):
+    """Placeholders in the form `form` describes (`_form`), on the stage's device."""
+    kind = form[0]
+    if kind == "tensor":
+        return _placeholder(state, form[1], form[2], state.device)
+    if kind == "value":
+        return form[1]
+    if kind == "output":
+        return form[1](**{key: _from_form(f, state) for key, f in form[2]})
+    return (tuple if kind == "tuple" else list)(_from_form(f, state) for f in form[1])
+
+
+def _absent(structure: "Structure", state: "StageState", path: str, tower: bool = False) -> nn.Module:
+    """The `_Absent` (`tower`: `_AbsentTower`) stand-in of a first-stage module on a later stage; of a list or
+    dict of modules, one of the same kind holding a stand-in per entry (Gemma 3n's altup projections, indexed
+    by its forward)."""
+    cls = _AbsentTower if tower else _Absent
+    tensors = dict(structure.part_tensors)
     for where, is_dict, keys in structure.containers:
         if where == path:
-            parts = {key: _Absent(state, f"{path}.{key}") for key in keys}
+            parts = {key: cls(state, f"{path}.{key}", tensors.get(f"{path}.{key}", ())) for key in keys}
             return nn.ModuleDict(parts) if is_dict else nn.ModuleList(parts.values())
-    return _Absent(state, path)
+    return cls(state, path, tensors.get(path, ()))
 
 
 def _placeholder(state: "StageState", shape: tuple, dtype, device) -> torch.Tensor:
@@ -536,6 +629,9 @@ class CarrySpec:
     # the first stage's modules the decoder stack calls before its layers: (path, output dims after (batch,
     # sequence)), which their stand-ins on later stages give (`_Absent`)
     part_tails: tuple = ()
+    # the first stage's modules outside the decoder stack that its forward called: (path, `_form` of their
+    # output), which their stand-ins on later stages give (`_AbsentTower`)
+    part_forms: tuple = ()
 
     def cut_entries(self, cut: int) -> tuple | None:
         """The layer entries carried at the cut after stage `cut` (None: not known yet)."""
@@ -559,6 +655,7 @@ class StageState:
     embed_tail: tuple | None = None    # the input embeddings' dims after (batch, sequence), seen on the first stage
     part_tails: dict = field(default_factory=dict)   # first-stage module path -> its output's dims after (b, s)
     part_tuples: list = field(default_factory=list)  # the tuples of tensors those modules gave in this forward
+    part_forms: dict = field(default_factory=dict)   # first-stage tower path -> `_form` of its output (this forward)
     recording: bool = False            # the probe's dry run: note what the loop hands the layers at the cuts
     exit_inputs: dict | None = None    # per-token inputs the loop handed the next stage's first layer (here)
     entry_inputs: dict | None = None   # per-token inputs the loop handed this stage's first own layer
@@ -566,6 +663,8 @@ class StageState:
     scramble: Any = None               # a torch.Generator: placeholders are random (the probe's second run)
     prints: list | None = None         # (layer, name, fingerprint) of what each own layer got (the probe)
     own_loss: Any = None               # the model's own loss on the probe's micro-batch (last stage)
+    device: Any = None                 # where this forward's received hidden state lies (later stages)
+    holders: list = field(default_factory=list)   # (the view's copy, the model's module) on the path to the layers
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -592,6 +691,7 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         stand_in = _Exit if i == spec.layers.stop else _Skip if i < spec.layers.start else None
         layers._modules[key] = stand_in and _stand_in(stand_in, attributes[i])
     state = StageState(structure, spec, type(model).forward, carry)
+    state.holders = [(copies[holder], _get(model, holder)) for holder in structure.holders]
     for i in range(spec.layers.start):
         layers._modules[str(i)].__dict__["_hp_state"] = state
     if spec.first:
@@ -600,11 +700,11 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         if isinstance(embed, nn.Module):
             embed.register_forward_hook(_embed_shape_hook(state))
         for path in structure.first:
-            if _in_decoder(path, structure.decoder):
-                module = _get(model, path)
-                for key, part in (module._modules.items() if isinstance(module, _CONTAINERS) else [("", module)]):
-                    if part is not None:
-                        part.register_forward_hook(_part_shape_hook(state, _join(path, key) if key else path))
+            module = _get(model, path)
+            hook = _part_shape_hook if _in_decoder(path, structure.decoder) else _part_form_hook
+            for key, part in (module._modules.items() if isinstance(module, _CONTAINERS) else [("", module)]):
+                if part is not None:
+                    part.register_forward_hook(hook(state, _join(path, key) if key else path))
     if spec.layers.stop < len(layers._modules):
         layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
@@ -612,9 +712,10 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         if not keep:
             for path in paths:
                 parent, _, name = path.rpartition(".")
-                # the decoder stack's own embeddings are still called on later stages, the towers are not
-                copies[parent]._modules[name] = (_absent(structure, state, path) if _in_decoder(path, inside)
-                                                 and paths is structure.first else None)
+                # the decoder stack's own embeddings are still called on later stages; the towers are where the
+                # model's forward calls them whatever its inputs (BLIP-2's vision tower and Q-Former)
+                copies[parent]._modules[name] = (_absent(structure, state, path, tower=not _in_decoder(path, inside))
+                                                 if paths is structure.first else None)
     decoder = copies.get(structure.decoder) if structure.decoder in copies else _get(view, structure.decoder)
     decoder.register_forward_pre_hook(_decoder_hook(state), with_kwargs=True)
     if not spec.first:
@@ -669,6 +770,16 @@ def _part_shape_hook(state: StageState, path: str):
             state.part_tuples.append(output)
         if state.part_tails.setdefault(path, tail) != tail:
             state.part_tails[path] = None
+    return hook
+
+
+def _part_form_hook(state: StageState, path: str):
+    """A first-stage module's forward hook (one outside the decoder stack): note the form of its output in this
+    forward (`_form`), None where its calls differ."""
+    def hook(module, args, output):
+        form = _form(output)
+        if state.part_forms.setdefault(path, form) != form:
+            state.part_forms[path] = None
     return hook
 
 
@@ -894,6 +1005,10 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     (hidden, *carried), or the logits on the last stage."""
     state: StageState = self.__dict__["_hp_stage"]
     spec = state.spec
+    # the view's copies of the modules on the path are in the model's mode (`model.train()` sets the model's own
+    # modules, the children the copies share, not the copies): RWKV rescales its blocks when its mode changes
+    for copy, original in state.holders:
+        copy.training = original.training
     if BATCH_POSITIONS in inputs:   # this micro-batch's rows of the whole batch's positions (rows, batch, seq)
         inputs["position_ids"] = inputs.pop(BATCH_POSITIONS).movedim(0, 1)
     own_labels = inputs.pop(OWN_LOSS_LABELS, None)
@@ -910,6 +1025,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         if carried is None:
             raise RuntimeError("pipeline: a later stage ran before the first stage's carried inputs were known")
         hidden_in = _enter(received[0], ids)
+        state.device = received[0].device
         n_entries = _piece_count(carried)
         state.inject = _decode(carried, received[1:1 + n_entries], ids, hidden_in)
         state.layer_inject = [(name, kind, _ContiguousGrad.apply(p) if kind.startswith("dict:")
@@ -917,7 +1033,10 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
                               for (name, kind), p in zip(carried.cut_entries(spec.index - 1) or (),
                                                          received[1 + n_entries:])]
         state.pending = hidden_in
-        call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",)}
+        # what the forward cannot be called without (BLIP-2's pixel_values and input_ids) is the caller's own input,
+        # as on the first stage: the towers that take it are stand-ins here (`_AbsentTower`)
+        call = {k: v for k, v in call.items() if k in _EVERY_STAGE_INPUTS + ("use_cache",) + _required(state.forward)
+                or _token_input(v, ids)}
         # per-sample features the decoder stack is handed, which the model's forward takes in place of its towers'
         # inputs (Kosmos-2's image_embeds for pixel_values): handed to it too, as one device's forward passes them on
         call.update((name, state.inject[name]) for name, kind in carried.entries
@@ -943,6 +1062,7 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
             call[PER_LAYER_INPUTS] = _enter(_placeholder(state, local_shape, per_layer.dtype, local.device), ids)
     else:
         state.capture = {} if not spec.last else None
+        state.part_forms = {}
     try:
         out = state.forward(self, **call)
         hidden = None
@@ -979,8 +1099,9 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         carry_spec, pieces = _encode(captured, call, ids)
         layer_entries = _layer_entries(layer_kwargs or {}, hidden, ids, part_tuples)
         part_tails = tuple(sorted((k, v) for k, v in state.part_tails.items() if v is not None))
+        part_forms = tuple(sorted(((k, v) for k, v in state.part_forms.items() if v is not None), key=lambda kv: kv[0]))
         carry_spec = dataclasses.replace(carry_spec, layer_output=state.layer_output, embed_tail=state.embed_tail,
-                                         layer_entries=layer_entries, part_tails=part_tails)
+                                         layer_entries=layer_entries, part_tails=part_tails, part_forms=part_forms)
         known = state.carry.setdefault("spec", carry_spec)
         if dataclasses.replace(known, later_entries=()) != carry_spec:
             raise ValueError(f"pipeline: this micro-batch hands the decoder stack {carry_spec} besides the hidden "
@@ -990,6 +1111,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         carry_spec = _later_cut_entries(state, _layer_entries(layer_kwargs or {}, hidden, ids, part_tuples))
         pieces = [p.view_as(p) if p.requires_grad else p for p in received[1:1 + _piece_count(carry_spec)]]
     pieces += _layer_pieces(carry_spec.cut_entries(spec.index), layer_kwargs or {}, spec.index)
+    if spec.first:
+        pieces = [_NoGradForZeros.apply(p) if p.requires_grad and not isinstance(p, DTensor) else p for p in pieces]
     return (_leave(hidden).contiguous(),) + tuple(_leave(p).contiguous() for p in pieces)
 
 
@@ -1007,6 +1130,23 @@ def _later_cut_entries(state: StageState, entries: tuple) -> CarrySpec:
                          f"hidden state, the first micro-batch handed it {known}; feed micro-batches of one kind "
                          f"(the same modalities in every step of one input shape)")
     return spec
+
+
+class _NoGradForZeros(torch.autograd.Function):
+    """The identity on a piece the first stage carries, whose gradient is none where the later stages sent back
+    zeros: torch's schedule sends zeros for a received piece the later stage's loss does not depend on
+    (Kosmos-2.5's image features, handed to its text model, which scatters them into nothing when fed text
+    alone), which would give the modules that computed it zero gradients where one device gives none (an
+    optimizer treats them otherwise: weight decay, moments); a gradient that is exactly zero everywhere adds
+    nothing either way."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad if grad.is_meta or bool(grad.any()) else None   # meta (hp.plan): no values to look at
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -1266,6 +1406,25 @@ def _parameters(forward) -> tuple:
         return tuple(inspect.signature(forward).parameters)
     except (TypeError, ValueError):
         return ()
+
+
+def _token_input(value, ids) -> bool:
+    """Whether a caller's input is one per token of ids, types or flags (Kosmos-2's image_embeds_position_mask,
+    Molmo2's mm_token_type_ids), which a later stage hands the model's forward as the first stage does, as it
+    does the attention mask: the forward reads it beside the towers (where an image's features go, which
+    positions attend both ways), not only in them."""
+    return (isinstance(value, torch.Tensor) and value is not ids and not value.is_floating_point()
+            and value.ndim >= 2 and tuple(value.shape[:2]) == tuple(ids.shape[:2]))
+
+
+def _required(forward) -> tuple:
+    """The names of `forward`'s parameters that have no default (after `self`): a call must give them."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.default is inspect.Parameter.empty and p.kind in kinds)
 
 
 def accepts(forward, name: str) -> bool:
