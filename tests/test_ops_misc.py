@@ -151,7 +151,15 @@ def _new_factory_cases(rank, world, cases):
     for shape, entries, size, kind in cases:
         x = hp.distribute_tensor(torch.arange(float(torch.Size(shape).numel())).view(shape), mesh(*entries))
         make = {"zeros": lambda t: t.new_zeros(size), "ones": lambda t: t.new_ones(*size),
-                "full": lambda t: t.new_full(size, 3.5), "empty": lambda t: t.new_empty(size=size).fill_(2.0)}[kind]
+                "full": lambda t: t.new_full(size, 3.5), "empty": lambda t: t.new_empty(size=size).fill_(2.0),
+                # the legacy `x.new`: ints or a torch.Size are sizes (Reformer's `idx.new(*idx.size())`), a list data
+                "new sizes": lambda t: t.new(*size).fill_(2.0), "new torch.Size": lambda t: t.new(torch.Size(size)).fill_(1.5),
+                "new data": lambda t: t.new([float(n) for n in size])}[kind]
+        if kind == "new data":   # a tensor of the data, whatever x's layout
+            out, ref = make(x), make(x.full_tensor())
+            if not torch.equal(out.full_tensor(), ref) or out.dist_layout.alias_entries() != ("None",):
+                failures.append(f"{kind} {shape} {entries} -> {size}: {out.dist_layout.alias_entries()}")
+            continue
         out, ref = make(x), make(x.full_tensor())
         kept = tuple(e if n == m else "None" for e, n, m in zip(entries, size, shape)) if len(size) == len(shape) \
             else ("None",) * len(size)
@@ -174,7 +182,8 @@ def test_new_factories_keep_the_split_of_the_sizes_they_keep(dist2, data):
             size = tuple(n if data.draw(st.booleans()) else data.draw(st.integers(1, 6)) for n in shape)
         else:
             size = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
-        cases.append((shape, entries, size, data.draw(st.sampled_from(["zeros", "ones", "full", "empty"]))))
+        cases.append((shape, entries, size, data.draw(st.sampled_from(["zeros", "ones", "full", "empty", "new sizes",
+                                                                       "new torch.Size", "new data"]))))
     failures = [f for per_rank in dist2.run(_new_factory_cases, cases) for f in per_rank]
     assert not failures, failures
 

@@ -94,6 +94,11 @@ class TypeCast(Rule):
         return Strategy([src], [src])
 
 
+def _sizes_only(args: tuple) -> bool:
+    """Are `x.new(*args)`'s arguments sizes (ints, or one torch.Size) rather than data (a list, a tuple)?"""
+    return all(type(a) is int for a in args) or (len(args) == 1 and type(args[0]) is torch.Size)
+
+
 class NewFactory(Rule):
     """`x.new_zeros(size)`, `x.new_full(size, v)`, `x.new_empty(size)`, `x.new_tensor(data)`: `x` gives only
     dtype and device.
@@ -119,9 +124,9 @@ class NewFactory(Rule):
             if "size" in kwargs:
                 kwargs = dict(kwargs, size=local)
             elif args and isinstance(args[0], (tuple, list)):
-                args = (local,) + args[1:]
-            else:  # x.new_zeros(2, 8, 4): every positional argument is a size
-                args = (local,)
+                args = (torch.Size(local),) + args[1:]   # x.new(sequence) reads a torch.Size as sizes, others as data
+            else:  # x.new_zeros(2, 8, 4), x.new(2, 8, 4): every positional argument is a size
+                args = tuple(local)
             return func(x, *args, **kwargs)
         return Strategy(ins, [split], local_fn)
 
@@ -129,7 +134,8 @@ class NewFactory(Rule):
     def _split_like_source(call: OpCall) -> Layout | None:
         """x's layout on the dims the new tensor keeps the size of (the others whole), or None."""
         first, shapes = call.inputs[0], call.out_shapes
-        if (call.name.endswith("new_tensor") or len(call.inputs) != 1 or shapes is None or len(shapes) != 1
+        if (call.name.endswith("new_tensor") or (call.name.endswith(".new") and not _sizes_only(call.args[1:]))
+                or len(call.inputs) != 1 or shapes is None or len(shapes) != 1
                 or len(shapes[0]) != len(first.shape) or not first.layout.sharded_axes):
             return None
         kept = [axes if n == m else () for axes, n, m in zip(first.layout.tensor_map, shapes[0], first.shape)]
