@@ -364,10 +364,10 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
 ORDER_HIDDEN = 8
 
 
-def _causal_lm(shift: int | None = None) -> list:
+def _causal_lm(shift: int | None = None, smoothing: float = 0.0) -> list:
     """The source of a causal LM around a source's `Decoder` (its constructor's arguments are the model's after
     the config). `shift`: its forward takes labels= and returns its own loss, the cross-entropy against the
-    labels shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's)."""
+    labels shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), with label smoothing `smoothing`."""
     lines = ["class Model(nn.Module):", "    def __init__(self, config, *args):",
              "        super().__init__()", "        self.config = config", "        self.model = Decoder(*args)",
              f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
@@ -382,12 +382,12 @@ def _causal_lm(shift: int | None = None) -> list:
     return lines + ["        if labels is None:", "            return CausalLMOutput(logits=logits)",
                     f"        target = torch.nn.functional.pad(labels, (0, {shift}), value=-100)[:, {shift}:]",
                     "        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), "
-                    "target.reshape(-1), ignore_index=-100)", "        return CausalLMOutput(loss=loss, logits=logits)",
+                    f"target.reshape(-1), ignore_index=-100, label_smoothing={smoothing})", "        return CausalLMOutput(loss=loss, logits=logits)",
                     ""]
 
 
 def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False,
-                   stream: bool = False, shift: int | None = None):
+                   stream: bool = False, shift: int | None = None, smoothing: float = 0.0):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
     list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
@@ -395,7 +395,7 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     embeddings before the loop (half their width, so not the hidden state's shape). `stream`: the embeddings are
     added to the layer list's output again behind it (a second stream beside the layers, as HRM's high-level
     state). `shift`: the forward takes labels= and returns its own loss, the cross-entropy against the labels
-    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's)."""
+    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), label-smoothed by `smoothing`."""
     import transformers
     lines = ["import torch", "from torch import nn", "from transformers.modeling_outputs import CausalLMOutput", "",
              "class Layer(nn.Module):", "    def __init__(self):",
@@ -417,8 +417,8 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
     lines += ["        x = x + inputs_embeds"] if stream else []
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
-    lines += ["        return (x,)", ""] + _causal_lm(shift)
-    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift)))
+    lines += ["        return (x,)", ""] + _causal_lm(shift, smoothing)
+    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift, smoothing)))
     module = _module_from_source(lines, f"ordered_{key}")
     torch.manual_seed(seed)
     return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
@@ -587,17 +587,131 @@ def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
         assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
 
 
-def test_pp2_model_whose_own_loss_is_not_the_shifted_one_is_refused_on_every_rank(dist2):
-    """A model whose own loss labels each token with its own label (TrOCR's unshifted cross-entropy) trains
-    another objective than the pipeline's shifted one: the dry run computes both on the last stage's logits and
-    every rank refuses; a model whose own loss is the shifted one trains, its loss the plain model's."""
-    errors = [error for error, _ in dist2.run(_step_error, {"shift": 0})]
-    assert all(e is not None and "own loss" in e and "shifted by one" in e for e in errors), errors
+def _loss_step(rank, world, options, labels, n_microbatches, loss):
+    """Worker: one pp=2 1F1B step of `_ordered_model(**options)` with pipeline(loss=loss) on `labels` (None: no
+    labels); (the error this rank raised, None: it trained; the loss; this rank's gradients)."""
+    import hyper_parallel as hp
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options),
+                       hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b", n_microbatches=n_microbatches,
+                       loss=loss)
+    try:
+        value = pipe.step(batch()[0], labels=labels)
+    except ValueError as e:
+        return str(e), None, None
+    return None, float(value), {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _plain_step(options, labels, loss=None):
+    """One plain step of `_ordered_model(**options)` on the global batch: its own loss given `labels`, or
+    `loss(output, batch)`; (the loss, every gradient)."""
+    model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, **options)
+    ids = batch()[0]
+    out = model(input_ids=ids, labels=labels) if loss is None else model(input_ids=ids)
+    value = out.loss if loss is None else loss(out, {"input_ids": ids})
+    value.backward()
+    return float(value.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_trains_as_one_process(results, want_loss, want_grads):
+    held = {}
+    for error, value, grads in results:
+        assert error is None, error
+        assert value == pytest.approx(want_loss, abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(want_grads), sorted(set(want_grads) ^ set(held))
+
+
+def test_pp2_model_whose_own_loss_is_not_the_shifted_one_is_refused_with_loss_shifted(dist2):
+    """loss="shifted" computes the shifted token cross-entropy from the logits: a model whose own loss labels
+    each token with its own label (TrOCR's unshifted cross-entropy) would train another objective, so the dry
+    run computes both on the last stage's logits and every rank refuses, naming loss='own'; a model whose own
+    loss is the shifted one trains, its loss the plain model's."""
+    results = dist2.run(_loss_step, {"shift": 0}, batch()[1], 2, "shifted")
+    errors = [error for error, _, _ in results]
+    assert all(e is not None and "own loss" in e and "shifted by one" in e and "loss='own'" in e for e in errors)
     assert errors[0] == errors[1]
-    ids, labels = batch()
-    want = _ordered_model(["embed", "layers"], [], [], 4, seed=0, shift=1)(input_ids=ids, labels=labels).loss
-    for error, loss in dist2.run(_step_error, {"shift": 1}):
-        assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
+    labels = batch()[1]
+    _assert_trains_as_one_process(dist2.run(_loss_step, {"shift": 1}, labels, 2, "shifted"),
+                                  *_plain_step({"shift": 1}, labels))
+
+
+@pytest.mark.parametrize("loss", ["auto", "own"])
+def test_pp2_unshifted_own_loss_trains_as_one_process_weighted_by_label_counts(dist2, loss):
+    """TrOCR's own loss (the unshifted token cross-entropy): loss="auto" (and "own") trains on it, each
+    micro-batch's mean weighted by its count of labels other than -100, so the loss and every gradient equal one
+    device's on a batch whose micro-batches count different numbers of labels (batch()'s uneven -100s)."""
+    labels = batch()[1]
+    _assert_trains_as_one_process(dist2.run(_loss_step, {"shift": 0}, labels, 4, loss),
+                                  *_plain_step({"shift": 0}, labels))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.lists(st.integers(0, BATCH * SEQ - 1), max_size=12), st.booleans(),
+       st.sampled_from([0.0, 0.1]))
+def test_pp2_own_loss_exact_or_refused_on_every_rank_property(n_microbatches, masked, even, smoothing):
+    """Random label masks (`even`: the first micro-batch's mask repeated in every micro-batch, so they count
+    alike) and micro-batch counts. An own loss the dry run does not recognise as a token cross-entropy
+    (label-smoothed) is the mean of the micro-batches' means: one device's loss and gradients when every
+    micro-batch counts as many labels, else refused on both ranks alike (no rank trains); the unshifted token
+    cross-entropy (no smoothing) is weighted by the counts and trains as one device unless a micro-batch counts
+    none (its mean would be NaN: refused alike)."""
+    from tests import harness
+    labels = batch()[0].clone().reshape(-1)
+    labels[masked] = -100
+    labels = labels.reshape(BATCH, SEQ)
+    if even:
+        rows = BATCH // n_microbatches
+        labels = labels[:rows].repeat(n_microbatches, 1)
+    options = {"shift": 0, "smoothing": smoothing}
+    results = harness.pool(2).run(_loss_step, options, labels, n_microbatches, "auto")
+    counts = [int((chunk != -100).sum()) for chunk in labels.tensor_split(n_microbatches)]
+    refusal = ("counts as many labels" if smoothing and len(set(counts)) > 1 else
+               "holds no counted label" if not smoothing and 0 in counts else None)
+    if refusal:
+        errors = [error for error, _, _ in results]
+        assert all(e is not None and refusal in e for e in errors), errors
+        assert errors[0] == errors[1]
+    else:
+        _assert_trains_as_one_process(results, *_plain_step(options, labels))
+
+
+def test_pp2_label_smoothed_own_loss_is_exact_on_micro_batches_that_count_alike_else_refused(dist2):
+    """A label-smoothed own loss (not a token cross-entropy the dry run recognises) is the mean of the
+    micro-batches' means: on micro-batches that count as many labels (the same rows masked alike in each) one
+    device's loss, every gradient equal; on batch()'s unevenly masked rows refused on both ranks alike."""
+    labels = batch()[1][:2].repeat(BATCH // 2, 1)
+    options = {"shift": 0, "smoothing": 0.1}
+    _assert_trains_as_one_process(dist2.run(_loss_step, options, labels, 4, "own"), *_plain_step(options, labels))
+    errors = [error for error, _, _ in dist2.run(_loss_step, options, batch()[1], 4, "own")]
+    assert all(e is not None and "counts as many labels" in e for e in errors), errors
+    assert errors[0] == errors[1]
+
+
+def mean_square_loss(out, micro_batch):
+    """A loss= callable: the mean square of the logits (a per-sample mean, no labels)."""
+    return out[0].float().pow(2).mean()
+
+
+def test_pp2_given_loss_without_labels_trains_as_one_process(dist2):
+    """pipeline(loss=callable) trains on the callable's mean of each micro-batch's last-stage output, with no
+    labels: the mean over the (equal) micro-batches is one device's loss on the whole batch, and every gradient
+    equals one device's."""
+    _assert_trains_as_one_process(dist2.run(_loss_step, {}, None, 4, mean_square_loss),
+                                  *_plain_step({}, None, mean_square_loss))
+
+
+def test_unknown_loss_is_refused_before_anything_changes():
+    """loss= takes "auto", "shifted", "own" or a callable: anything else is refused at the call, naming them,
+    before the model is pruned."""
+    import hyper_parallel as hp
+    model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, shift=0)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="unknown loss 'mean'"):
+        hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                    stages_per_rank=2, loss="mean")
+    assert {n for n, _ in model.named_parameters()} == set(before)
 
 
 def test_batch_packed_in_one_row_is_refused_naming_n_microbatches():
@@ -675,16 +789,24 @@ def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
 
 
 @pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
-                                               ("trocr", "own loss"), ("hrm_text", "placeholders"),
-                                               ("xlnet", "own loss")])
+                                               ("hrm_text", "placeholders"),
+                                               ("musicgen", "attention_mask of shape")])
 def test_pp2_census_types_that_cannot_be_cut_are_refused_on_every_rank(dist2, model_type, reason):
-    """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), TrOCR's and
-    XLNet's own losses are unshifted (XLNet's later stage runs on its sequence-first layout, placeholders
-    batch first), HRM adds its embeddings to its stacks' output (a second stream): each refused with its reason
-    on both ranks, not trained wrong."""
+    """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), HRM adds its
+    embeddings to its stacks' output (a second stream), MusicGen's tokens are one row per codebook while its
+    mask and hidden state are one per sample: each refused with its reason on both ranks, not trained wrong."""
     results = dist2.run(pipeline_census_type, model_type)
     for equal, error, detail in results:
         assert not equal and error is not None and reason in error, (error, detail)
+
+
+@pytest.mark.parametrize("model_type", ["trocr", "xlnet", "nemotron_h_omni"])
+def test_pp2_census_types_trained_on_their_own_loss_match_one_process(dist2, model_type):
+    """TrOCR's and XLNet's own losses are unshifted token cross-entropies (XLNet's later stages also get its
+    token_type_ids, its segment matrix's input); Nemotron-H-Omni has no output head at its root: loss="auto"
+    trains each on its own loss over pp=2 as one process (the loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, model_type):
+        assert error is None and equal, (error, detail)
 
 
 def test_learned_positions_of_floating_tokens_run_on_a_later_stage():
