@@ -13,9 +13,11 @@ module; each stage is parallelised over the mesh's other axes with `parallelize`
 objects run the stages over the pp axis's process group, driven by the chosen torch schedule. The ranks
 of one pp group feed the same micro-batch, each data-parallel ("dp", "ep") rank its own share; the
 first stage splits it as the stage's parallelisms say, and what crosses a stage boundary is each rank's
-local piece of the hidden state. The loss function sums token cross-entropies and divides by the count
-of valid tokens of the global batch, so the loss and the gradients equal one device's
-`model(input_ids, labels=labels).loss` on the whole batch, whatever the micro-batching or the padding.
+local piece of the hidden state. The last stage trains on the model's own loss (`loss="auto"`: the shifted
+token cross-entropy computed from the logits where that is it, else `output.loss` itself) or a given one,
+each micro-batch's weighted by its share of the global batch's counted labels (`LossRule`), so the loss and
+the gradients equal one device's `model(input_ids, labels=labels).loss` on the whole batch, whatever the
+micro-batching or the padding; what cannot be weighted exactly is refused on every rank.
 """
 from __future__ import annotations
 
