@@ -587,18 +587,21 @@ def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
         assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
 
 
-def _loss_step(rank, world, options, labels, n_microbatches, loss):
-    """Worker: one pp=2 1F1B step of `_ordered_model(**options)` with pipeline(loss=loss) on `labels` (None: no
-    labels); (the error this rank raised, None: it trained; the loss; this rank's gradients)."""
+def _loss_step(rank, world, options, labels, n_microbatches, loss, dp=1):
+    """Worker: one 1F1B step over pp=2 (x `dp` with hsdp, each dp rank feeding its share of the batch) of
+    `_ordered_model(**options)` with pipeline(loss=loss) on `labels` (None: no labels); (the error this rank
+    raised, None: it trained; the loss; this rank's gradients, whole)."""
     import hyper_parallel as hp
-    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options),
-                       hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b", n_microbatches=n_microbatches,
-                       loss=loss)
+    mesh = hp.init_device_mesh("cpu", (2, dp), ("pp", "dp")) if dp > 1 else hp.init_device_mesh("cpu", (2,), ("pp",))
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options), mesh, schedule="1f1b",
+                       n_microbatches=n_microbatches, loss=loss, **({"hsdp": {"threshold": 0}} if dp > 1 else {}))
+    rows = BATCH // dp
+    share = slice(hp.data_rank(mesh) * rows, (hp.data_rank(mesh) + 1) * rows)
     try:
-        value = pipe.step(batch()[0], labels=labels)
+        value = pipe.step(batch()[0][share], labels=None if labels is None else labels[share])
     except ValueError as e:
         return str(e), None, None
-    return None, float(value), {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    return None, float(value), {n: _full(p.grad).clone() for n, p in pipe.named_parameters() if p.grad is not None}
 
 
 def _plain_step(options, labels, loss=None):
@@ -687,6 +690,19 @@ def test_pp2_label_smoothed_own_loss_is_exact_on_micro_batches_that_count_alike_
     errors = [error for error, _, _ in dist2.run(_loss_step, options, batch()[1], 4, "own")]
     assert all(e is not None and "counts as many labels" in e for e in errors), errors
     assert errors[0] == errors[1]
+
+
+def test_pp2_dp2_own_loss_weighs_every_data_rank_or_refuses_on_every_rank(dist4):
+    """pp=2 x dp=2 (hsdp), each dp rank feeding its half: the unshifted own loss is weighted by the label counts of
+    the global batch (summed over the dp ranks), so the loss and every gradient equal one device's on batch()'s
+    uneven labels; a label-smoothed own loss on them (micro-batches of the two ranks counting differently) is
+    refused on all four ranks alike."""
+    labels = batch()[1]
+    _assert_trains_as_one_process(dist4.run(_loss_step, {"shift": 0}, labels, 2, "auto", 2),
+                                  *_plain_step({"shift": 0}, labels))
+    errors = [error for error, _, _ in dist4.run(_loss_step, {"shift": 0, "smoothing": 0.1}, labels, 2, "auto", 2)]
+    assert all(e is not None and "counts as many labels" in e for e in errors), errors
+    assert len(set(errors)) == 1, errors
 
 
 def mean_square_loss(out, micro_batch):
