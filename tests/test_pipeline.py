@@ -382,7 +382,8 @@ def _causal_lm(shift: int | None = None, smoothing: float = 0.0) -> list:
     return lines + ["        if labels is None:", "            return CausalLMOutput(logits=logits)",
                     f"        target = torch.nn.functional.pad(labels, (0, {shift}), value=-100)[:, {shift}:]",
                     "        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), "
-                    f"target.reshape(-1), ignore_index=-100, label_smoothing={smoothing})", "        return CausalLMOutput(loss=loss, logits=logits)",
+                    f"target.reshape(-1), ignore_index=-100, label_smoothing={smoothing})",
+                    "        return CausalLMOutput(loss=loss, logits=logits)",
                     ""]
 
 
@@ -806,11 +807,12 @@ def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
 
 @pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
                                                ("hrm_text", "placeholders"),
-                                               ("musicgen", "attention_mask of shape")])
+                                               ("musicgen", "labels of shape (2, 8, 4) do not match")])
 def test_pp2_census_types_that_cannot_be_cut_are_refused_on_every_rank(dist2, model_type, reason):
     """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), HRM adds its
     embeddings to its stacks' output (a second stream), MusicGen's tokens are one row per codebook while its
-    mask and hidden state are one per sample: each refused with its reason on both ranks, not trained wrong."""
+    labels, mask and hidden state are one per sample (labels of another shape than the tokens need loss='own',
+    and its mask is then refused): each refused with its reason on both ranks, not trained wrong."""
     results = dist2.run(pipeline_census_type, model_type)
     for equal, error, detail in results:
         assert not equal and error is not None and reason in error, (error, detail)

@@ -69,7 +69,7 @@ class LossRule:
     count: "shifted" (labels shifted by one other than -100: a token mean of that rule), "tokens" (labels other
     than -100, unshifted: TrOCR's, XLNet's), "micro" (one per micro-batch: a mean of the micro-batches' means,
     exact for a per-sample mean on equal micro-batches, and for the model's own loss only where every
-    micro-batch counts as many labels: `Pipeline._label_count_problem`)."""
+    micro-batch counts as many labels: `Pipeline._check_label_counts`)."""
     kind: str = "shifted"
     count: str = "shifted"
 
@@ -304,13 +304,12 @@ class Pipeline:
         n_stages = specs[0].n_stages
         self.last_owner = stage_rank(n_stages - 1, self.pp, SCHEDULES[schedule][1])
         self._schedules: dict = {}
-        self._carry_specs: dict = {}   # input shapes -> cut.CarrySpec
+        self._carry_specs: dict = {}   # (input shapes, labels shape, train) -> (cut.CarrySpec, LossRule)
         self._key_owner = key_owner          # state_dict key -> pp coordinate holding it
         self._whole_meta = whole_meta        # state_dict key -> (shape, dtype) of the whole model
         self._owner_meshes = stage_owner_meshes(mesh, mesh.axis_index(axis))
         self.loss = loss                     # the `loss=` argument (pipeline)
         self._has_head = has_head            # the model has an output head (logits for loss="shifted")
-        self._rules: dict = {}               # (input shapes, train) -> LossRule, found by the probe
         self._rule = LossRule()              # this step's
         self._valid_tokens = 1               # the global batch's count of the rule's counted labels
         self._loss_scale = 1.0
@@ -363,8 +362,8 @@ class Pipeline:
         Each rank passes its own micro-batch (API §12): the ranks of one pp, "tp" or "cp" group the same
         one, each data-parallel rank its share. Gradients accumulate into the parameters' `.grad` (call the
         optimizer's zero_grad between steps, as usual). `labels` may be omitted with a `loss=` callable; with
-        loss="own" (or "auto" choosing it) they may have another shape than input_ids (MusicGen's codebooks),
-        rows that divide into the micro-batches as the inputs' do.
+        loss="own" or a callable they may have another shape than input_ids (MusicGen's codebooks), rows that
+        divide into the micro-batches as the inputs' do.
         """
         inputs = _positions_per_row(input_ids, inputs)
         self._check_feed("Pipeline.step", input_ids, labels, inputs, need_labels=not callable(self.loss))
@@ -447,7 +446,9 @@ class Pipeline:
                     f"on a loss of the model's outputs, with or without labels)")
         shape = tuple(getattr(labels, "shape", ()))
         if labels is not None and (not isinstance(labels, torch.Tensor) or shape != tuple(input_ids.shape)):
-            if self.loss == "shifted" or not isinstance(labels, torch.Tensor) or labels.ndim == 0:
+            # labels of another shape (MusicGen's per codebook) only for a loss that reads them itself: by default
+            # they are one per token, and another shape is the feed's mistake
+            if self.loss in ("auto", "shifted") or not isinstance(labels, torch.Tensor) or labels.ndim == 0:
                 return (f"{call}: labels of shape {shape} do not match input_ids {tuple(input_ids.shape)}; give one "
                         f"label per token (-100 where no loss is wanted), or pipeline(loss='own') to train on the "
                         f"model's own loss of its labels")
@@ -529,10 +530,12 @@ class Pipeline:
                 self._carry_specs[key] = self._probe(input_ids, inputs, labels, train)
             else:   # one stage, the whole model: only the loss to decide
                 self._carry_specs[key] = (None, self._single_stage_rule(input_ids, inputs, labels) if train else None)
-            if train:
+            spec, rule = self._carry_specs[key]
+            if train:   # hp.plan's stand-ins of the last stage send no rule: the default one
+                self._carry_specs[key] = spec, rule or LossRule()
                 self._agree(self._carry_specs[key][1])
         spec, rule = self._carry_specs[key]
-        self._rule = rule if rule is not None else LossRule()
+        self._rule = rule or LossRule()
         if self.pp > 1:
             self._carry["spec"] = spec
         else:
@@ -603,8 +606,9 @@ class Pipeline:
 
     def _probe(self, input_ids: torch.Tensor, inputs: dict, labels: torch.Tensor | None = None,
                train: bool = False) -> tuple:
-        """(the first stage's CarrySpec, the LossRule in training) on every pp rank, from a dry run of every stage in order on the first
-        micro-batch (no gradients), each stage's output broadcast over the pp group to the next.
+        """(the first stage's CarrySpec, the LossRule in training) on every pp rank, from a dry run of every stage
+        in order on the first micro-batch (no gradients), each stage's output broadcast over the pp group to the
+        next.
 
         Why every stage and not the first only: a stage that fails inside torch's schedule (a layer stand-in
         its model's loop cannot take, a carried input it cannot use) fails on its own rank while the others
@@ -692,6 +696,8 @@ class Pipeline:
         with the model's on the same forward's logits, and its micro-batches are weighted by their label counts;
         any other own loss is averaged over the micro-batches (`_check_label_counts`)."""
         given = self.loss
+        if self.cp > 1:   # the shifted loss on each rank's chunk (an own or given one is refused at the call)
+            return LossRule(), None
         if callable(given):
             state.loss, state.loss_takes_labels = given, False
             extra = {} if labels is None else {cut.LABELS: labels}
