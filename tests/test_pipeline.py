@@ -364,15 +364,18 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
 ORDER_HIDDEN = 8
 
 
-def _causal_lm(shift: int | None = None, smoothing: float = 0.0) -> list:
+def _causal_lm(shift: int | None = None, smoothing: float = 0.0, headless: bool = False) -> list:
     """The source of a causal LM around a source's `Decoder` (its constructor's arguments are the model's after
     the config). `shift`: its forward takes labels= and returns its own loss, the cross-entropy against the
-    labels shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), with label smoothing `smoothing`."""
+    labels shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), with label smoothing `smoothing`.
+    `headless`: get_output_embeddings() is None and the head's weight is the embeddings' (BLIP's, inside its text
+    decoder)."""
     lines = ["class Model(nn.Module):", "    def __init__(self, config, *args):",
              "        super().__init__()", "        self.config = config", "        self.model = Decoder(*args)",
-             f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
-             "    def get_input_embeddings(self):", "        return self.model.embed", "",
-             "    def get_output_embeddings(self):", "        return self.lm_head", "",
+             f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)"]
+    lines += ["        self.lm_head.weight = self.model.embed.weight"] if headless else []
+    lines += ["", "    def get_input_embeddings(self):", "        return self.model.embed", "",
+              "    def get_output_embeddings(self):", f"        return {'None' if headless else 'self.lm_head'}", "",
              "    def get_decoder(self):", "        return self.model", "",
              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):",
              "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
@@ -388,7 +391,7 @@ def _causal_lm(shift: int | None = None, smoothing: float = 0.0) -> list:
 
 
 def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False,
-                   stream: bool = False, shift: int | None = None, smoothing: float = 0.0):
+                   stream: bool = False, shift: int | None = None, smoothing: float = 0.0, headless: bool = False):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
     list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
@@ -396,7 +399,8 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     embeddings before the loop (half their width, so not the hidden state's shape). `stream`: the embeddings are
     added to the layer list's output again behind it (a second stream beside the layers, as HRM's high-level
     state). `shift`: the forward takes labels= and returns its own loss, the cross-entropy against the labels
-    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), label-smoothed by `smoothing`."""
+    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), label-smoothed by `smoothing`; `headless`:
+    no output head at the root, its head's weight the embeddings' (`_causal_lm`)."""
     import transformers
     lines = ["import torch", "from torch import nn", "from transformers.modeling_outputs import CausalLMOutput", "",
              "class Layer(nn.Module):", "    def __init__(self):",
@@ -418,8 +422,9 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
     lines += ["        x = x + inputs_embeds"] if stream else []
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
-    lines += ["        return (x,)", ""] + _causal_lm(shift, smoothing)
-    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift, smoothing)))
+    lines += ["        return (x,)", ""] + _causal_lm(shift, smoothing, headless)
+    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift, smoothing,
+                    headless)))
     module = _module_from_source(lines, f"ordered_{key}")
     torch.manual_seed(seed)
     return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
@@ -607,13 +612,14 @@ def _loss_step(rank, world, options, labels, n_microbatches, loss, dp=1):
 
 def _plain_step(options, labels, loss=None):
     """One plain step of `_ordered_model(**options)` on the global batch: its own loss given `labels`, or
-    `loss(output, batch)`; (the loss, every gradient)."""
+    `loss(output, batch)`; (the loss, every gradient, under every name of a tied weight)."""
     model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, **options)
     ids = batch()[0]
     out = model(input_ids=ids, labels=labels) if loss is None else model(input_ids=ids)
     value = out.loss if loss is None else loss(out, {"input_ids": ids})
     value.backward()
-    return float(value.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return float(value.detach()), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)
+                                   if p.grad is not None}
 
 
 def _assert_trains_as_one_process(results, want_loss, want_grads):
@@ -704,6 +710,24 @@ def test_pp2_dp2_own_loss_weighs_every_data_rank_or_refuses_on_every_rank(dist4)
     errors = [error for error, _, _ in dist4.run(_loss_step, {"shift": 0, "smoothing": 0.1}, labels, 2, "auto", 2)]
     assert all(e is not None and "counts as many labels" in e for e in errors), errors
     assert len(set(errors)) == 1, errors
+
+
+def test_pp2_headless_model_with_embeddings_tied_to_a_last_stage_module_matches_one_process(dist2):
+    """A model with no output head at its root whose embeddings' weight a module of the last stage shares (BLIP's
+    text decoder head): loss="auto" trains it on its own loss, the weight tied across the two stages as a head's
+    (each copy's gradient summed over both), so the loss and both copies' gradients equal one device's."""
+    labels = batch()[1]
+    options = {"shift": 1, "headless": True}
+    _assert_trains_as_one_process(dist2.run(_loss_step, options, labels, 2, "auto"), *_plain_step(options, labels))
+
+
+def test_pp2_headless_model_that_computes_no_loss_is_refused_on_every_rank(dist2):
+    """Without an output head, and a forward that computes no loss from the labels it takes, there is nothing to
+    train on but a given loss: every rank refuses at the first step, naming loss=callable (a model whose forward
+    takes no labels at all is refused at the call: test_errors_are_clear)."""
+    errors = [error for error, _, _ in dist2.run(_loss_step, {"headless": True}, batch()[1], 2, "auto")]
+    assert all(e is not None and "gives no loss" in e and "loss=callable" in e for e in errors), errors
+    assert errors[0] == errors[1]
 
 
 def mean_square_loss(out, micro_batch):
