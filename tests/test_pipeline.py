@@ -743,6 +743,38 @@ def test_pp2_given_loss_without_labels_trains_as_one_process(dist2):
                                   *_plain_step({}, None, mean_square_loss))
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_one_stage_pipeline_decides_its_loss_as_the_cut_ones(smoothing):
+    """A pipeline of one stage (pp=1, "gpipe": the whole model, no dry run of cuts) decides its loss alike: the
+    unshifted own loss weighted by label counts on batch()'s uneven labels equals one device's, loss and every
+    gradient; label-smoothed, on those unevenly counted micro-batches, it is refused."""
+    import hyper_parallel as hp
+    options = {"shift": 0, "smoothing": smoothing}
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options),
+                       hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="gpipe", n_microbatches=4)
+    ids, labels = batch()
+    if smoothing:
+        with pytest.raises(ValueError, match="counts as many labels"):
+            pipe.step(ids, labels=labels)
+        return
+    value = pipe.step(ids, labels=labels)
+    grads = {n: p.grad for n, p in pipe.named_parameters()}
+    _assert_trains_as_one_process([(None, float(value), grads)], *_plain_step(options, labels))
+
+
+def test_from_pretrained_passes_loss_to_the_pipeline():
+    """from_pretrained on a pp mesh takes pipeline's loss= too: a callable reaches the Pipeline, an unknown name is
+    refused as pipeline refuses it."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (1,), ("pp",))
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_model("llama").save_pretrained(folder)
+        pipe = hp.from_pretrained(folder, mesh, schedule="interleaved_1f1b", stages_per_rank=2, loss=mean_square_loss)
+        assert pipe.loss is mean_square_loss
+        with pytest.raises(ValueError, match="unknown loss 'mean'"):
+            hp.from_pretrained(folder, mesh, schedule="interleaved_1f1b", stages_per_rank=2, loss="mean")
+
+
 def test_unknown_loss_is_refused_before_anything_changes():
     """loss= takes "auto", "shifted", "own" or a callable: anything else is refused at the call, naming them,
     before the model is pruned."""
