@@ -593,14 +593,15 @@ def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
         assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
 
 
-def _loss_step(rank, world, options, labels, n_microbatches, loss, dp=1):
-    """Worker: one 1F1B step over pp=2 (x `dp` with hsdp, each dp rank feeding its share of the batch) of
-    `_ordered_model(**options)` with pipeline(loss=loss) on `labels` (None: no labels); (the error this rank
-    raised, None: it trained; the loss; this rank's gradients, whole)."""
+def _loss_step(rank, world, options, labels, n_microbatches, loss, dp=1, schedule=("1f1b", 1)):
+    """Worker: one step of `schedule` (name, stages per rank) over pp=2 (x `dp` with hsdp, each dp rank feeding
+    its share of the batch) of `_ordered_model(**options)` with pipeline(loss=loss) on `labels` (None: no
+    labels); (the error this rank raised, None: it trained; the loss; this rank's gradients, whole)."""
     import hyper_parallel as hp
     mesh = hp.init_device_mesh("cpu", (2, dp), ("pp", "dp")) if dp > 1 else hp.init_device_mesh("cpu", (2,), ("pp",))
-    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options), mesh, schedule="1f1b",
-                       n_microbatches=n_microbatches, loss=loss, **({"hsdp": {"threshold": 0}} if dp > 1 else {}))
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options), mesh, schedule=schedule[0],
+                       stages_per_rank=schedule[1], n_microbatches=n_microbatches, loss=loss,
+                       **({"hsdp": {"threshold": 0}} if dp > 1 else {}))
     rows = BATCH // dp
     share = slice(hp.data_rank(mesh) * rows, (hp.data_rank(mesh) + 1) * rows)
     try:
@@ -647,13 +648,15 @@ def test_pp2_model_whose_own_loss_is_not_the_shifted_one_is_refused_with_loss_sh
                                   *_plain_step({"shift": 1}, labels))
 
 
-@pytest.mark.parametrize("loss", ["auto", "own"])
-def test_pp2_unshifted_own_loss_trains_as_one_process_weighted_by_label_counts(dist2, loss):
+@pytest.mark.parametrize("loss,schedule", [("auto", ("1f1b", 1)), ("own", ("1f1b", 1)), ("auto", ("zbv", 2)),
+                                           ("auto", ("interleaved_1f1b", 2))])
+def test_pp2_unshifted_own_loss_trains_as_one_process_weighted_by_label_counts(dist2, loss, schedule):
     """TrOCR's own loss (the unshifted token cross-entropy): loss="auto" (and "own") trains on it, each
     micro-batch's mean weighted by its count of labels other than -100, so the loss and every gradient equal one
-    device's on a batch whose micro-batches count different numbers of labels (batch()'s uneven -100s)."""
+    device's on a batch whose micro-batches count different numbers of labels (batch()'s uneven -100s), under
+    the one-stage, interleaved and zero-bubble (split backward) schedules alike."""
     labels = batch()[1]
-    _assert_trains_as_one_process(dist2.run(_loss_step, {"shift": 0}, labels, 4, loss),
+    _assert_trains_as_one_process(dist2.run(_loss_step, {"shift": 0}, labels, 4, loss, 1, schedule),
                                   *_plain_step({"shift": 0}, labels))
 
 
