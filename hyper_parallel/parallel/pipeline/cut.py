@@ -785,7 +785,9 @@ def _stage_class(cls: type) -> type:
     return _STAGE_CLASSES[cls]
 
 
-# the caller's inputs that later stages hand the model again (the rest feed the first stage's towers)
+# the caller's inputs that later stages hand the model again (the rest feed the first stage's towers); token
+# types too: a model may read them past its embeddings (XLNet builds its layers' segment matrix from them, and a
+# later stage without them would skip its segment bias with no error, its gradient missing)
 _EVERY_STAGE_INPUTS = ("attention_mask", "position_ids", "token_type_ids")
 
 
