@@ -715,6 +715,17 @@ def test_pp2_dp2_own_loss_weighs_every_data_rank_or_refuses_on_every_rank(dist4)
     assert len(set(errors)) == 1, errors
 
 
+def test_pp2_dp2_data_ranks_that_decide_the_loss_differently_are_refused_on_every_rank(dist4):
+    """The dry run decides the loss on each data-parallel rank's first micro-batch: one whose labels are all -100
+    cannot compare the unshifted own loss and would take the shifted one while the other rank trains on the own
+    loss; every rank refuses alike instead of summing pieces of two objectives."""
+    labels = batch()[1].clone()
+    labels[:2] = -100   # dp rank 0's first micro-batch
+    errors = [error for error, _, _ in dist4.run(_loss_step, {"shift": 0}, labels, 2, "auto", 2)]
+    assert all(e is not None and "decide the loss differently" in e for e in errors), errors
+    assert len(set(errors)) == 1, errors
+
+
 def test_pp2_headless_model_with_embeddings_tied_to_a_last_stage_module_matches_one_process(dist2):
     """A model with no output head at its root whose embeddings' weight a module of the last stage shares (BLIP's
     text decoder head): loss="auto" trains it on its own loss, the weight tied across the two stages as a head's
