@@ -894,8 +894,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         state.capture = {} if not spec.last else None
     if (labels is not None and spec.last and not isinstance(ids, DTensor)
             and (state.loss is None or state.loss_takes_labels)):
-        # the model's own loss (api.Pipeline._loss_rule); not on split tokens (tp/ep/cp), whose logits the model's
-        # loss code would take as DTensors against plain labels: there the probe finds no own loss and says so
+        # the model's own loss (api.Pipeline._loss_rule); not on split tokens (ep/cp DTensors), whose logits the
+        # model's loss code would take as DTensors against plain labels: there the probe finds no own loss
         call["labels"] = labels
     try:
         out = state.forward(self, **call)
