@@ -832,19 +832,37 @@ def test_pp2_module_registered_after_its_layers_matches_one_process(dist2):
         assert error is None and equal, (error, detail)
 
 
-def train_census_type_pp2(rank, world, model_type):
-    """Worker: one 1F1B step of the census's tiny `model_type` through pipeline() over pp=2 (2 micro-batches):
-    the loss and this rank's stages' gradients."""
+def train_census_type_pp2(rank, world, model_type, tp=False):
+    """Worker: one 1F1B step of the census's tiny `model_type` through pipeline() over pp=2 (2 micro-batches;
+    `tp`: x tp=2 with the model's own shard plan): the loss and this rank's stages' gradients (whole)."""
     import hyper_parallel as hp
     from hyper_parallel.tools.auto_models import build_model_type
     case = build_model_type(model_type, 0)
     inputs = dict(case.inputs)
     ids = inputs.pop("input_ids")
-    pipe = hp.pipeline(case.model.float(), hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b",
-                       n_microbatches=2)
+    mesh = hp.init_device_mesh("cpu", (2, 2), ("pp", "tp")) if tp else hp.init_device_mesh("cpu", (2,), ("pp",))
+    pipe = hp.pipeline(case.model.float(), mesh, schedule="1f1b", n_microbatches=2, **({"tp": "auto"} if tp else {}))
     case.model.train()
     loss = pipe.step(ids, labels=case.labels["labels"], **inputs)
-    return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    return float(loss), {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _census_type_trains_as_one_process(pool, model_type, tp=False):
+    """`train_census_type_pp2` on every rank of `pool` against one plain step: the loss, and every parameter's
+    gradient on the ranks that hold it, within 1e-5."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type(model_type, 0)
+    model = case.model.float().train()
+    want = model(**case.inputs, **case.labels).loss
+    want.backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    held = {}
+    for loss, grads in pool.run(train_census_type_pp2, model_type, tp):
+        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(plain), sorted(set(plain) ^ set(held))
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "zaya"])
@@ -852,20 +870,13 @@ def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model
     """Zamba's loop hands every layer a clone of the embeddings, Zaya's each layer the router states the
     layer before returned: carried across the cut with the hidden state, pp=2 over gloo trains as one
     process (the loss, and every parameter's gradient on the rank that holds it, within 1e-5)."""
-    from hyper_parallel.tools.auto_models import build_model_type
-    case = build_model_type(model_type, 0)
-    model = case.model.float().train()
-    want = model(**case.inputs, **case.labels).loss
-    want.backward()
-    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    results = dist2.run(train_census_type_pp2, model_type)
-    held = {}
-    for loss, grads in results:
-        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
-            held[name] = grad
-    assert set(held) == set(plain), sorted(set(plain) ^ set(held))
+    _census_type_trains_as_one_process(dist2, model_type)
+
+
+def test_pp2_tp2_own_loss_is_computed_on_whole_tokens_and_matches_one_process(dist4):
+    """With tp the tokens are whole on every rank, so the last stage computes TrOCR's own (unshifted) loss there
+    too: pp=2 x tp=2 trains as one process (the loss, every gradient)."""
+    _census_type_trains_as_one_process(dist4, "trocr", tp=True)
 
 
 def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
