@@ -123,7 +123,7 @@ def _build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
         return cls.from_config(config, dtype=dtype)  # an Auto class
 
 
-PIPELINE_ARGUMENTS = ("schedule", "n_microbatches", "stages_per_rank", "split_points")
+PIPELINE_ARGUMENTS = ("schedule", "n_microbatches", "stages_per_rank", "split_points", "loss")
 
 
 def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtype: torch.dtype | None = None,
@@ -136,7 +136,7 @@ def from_pretrained(path: str | os.PathLike, mesh=None, *, auto_class=None, dtyp
     pieces and reads them from the folder's safetensors (one file or an indexed set). `dtype` defaults to
     the config's (as transformers' dtype="auto"). Tied weights stay tied. Equals transformers' own
     `from_pretrained` on one device, parallelized. On a mesh with a "pp" axis the result is the
-    `Pipeline` (`pipeline`'s schedule=, n_microbatches=, stages_per_rank=, split_points= are taken too),
+    `Pipeline` (`pipeline`'s schedule=, n_microbatches=, stages_per_rank=, split_points=, loss= are taken too),
     and each rank reads only its stages' slices.
     """
     folder = Path(path).absolute()

@@ -364,15 +364,18 @@ def test_tied_from_pretrained_pp2_dp2_hsdp(dist4):
 ORDER_HIDDEN = 8
 
 
-def _causal_lm(shift: int | None = None) -> list:
+def _causal_lm(shift: int | None = None, smoothing: float = 0.0, headless: bool = False) -> list:
     """The source of a causal LM around a source's `Decoder` (its constructor's arguments are the model's after
     the config). `shift`: its forward takes labels= and returns its own loss, the cross-entropy against the
-    labels shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's)."""
+    labels shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), with label smoothing `smoothing`.
+    `headless`: get_output_embeddings() is None and the head's weight is the embeddings' (BLIP's, inside its text
+    decoder)."""
     lines = ["class Model(nn.Module):", "    def __init__(self, config, *args):",
              "        super().__init__()", "        self.config = config", "        self.model = Decoder(*args)",
-             f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)", "",
-             "    def get_input_embeddings(self):", "        return self.model.embed", "",
-             "    def get_output_embeddings(self):", "        return self.lm_head", "",
+             f"        self.lm_head = nn.Linear({ORDER_HIDDEN}, {VOCAB}, bias=False)"]
+    lines += ["        self.lm_head.weight = self.model.embed.weight"] if headless else []
+    lines += ["", "    def get_input_embeddings(self):", "        return self.model.embed", "",
+              "    def get_output_embeddings(self):", f"        return {'None' if headless else 'self.lm_head'}", "",
              "    def get_decoder(self):", "        return self.model", "",
              "    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):",
              "        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, "
@@ -382,12 +385,13 @@ def _causal_lm(shift: int | None = None) -> list:
     return lines + ["        if labels is None:", "            return CausalLMOutput(logits=logits)",
                     f"        target = torch.nn.functional.pad(labels, (0, {shift}), value=-100)[:, {shift}:]",
                     "        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), "
-                    "target.reshape(-1), ignore_index=-100)", "        return CausalLMOutput(loss=loss, logits=logits)",
+                    f"target.reshape(-1), ignore_index=-100, label_smoothing={smoothing})",
+                    "        return CausalLMOutput(loss=loss, logits=logits)",
                     ""]
 
 
 def _ordered_model(registered: list, before: list, after: list, n_layers: int, seed: int, side: bool = False,
-                   stream: bool = False, shift: int | None = None):
+                   stream: bool = False, shift: int | None = None, smoothing: float = 0.0, headless: bool = False):
     """A tiny causal LM whose decoder registers its children in the order `registered` (names from `before`,
     `after`, "embed" and "layers") and whose forward calls `before` between the embeddings and the layer
     list and `after` behind it: written to a file, so that the cutter reads the forward's source as it
@@ -395,7 +399,8 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     embeddings before the loop (half their width, so not the hidden state's shape). `stream`: the embeddings are
     added to the layer list's output again behind it (a second stream beside the layers, as HRM's high-level
     state). `shift`: the forward takes labels= and returns its own loss, the cross-entropy against the labels
-    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's)."""
+    shifted by `shift` (1: transformers' causal-LM loss; 0: TrOCR's), label-smoothed by `smoothing`; `headless`:
+    no output head at the root, its head's weight the embeddings' (`_causal_lm`)."""
     import transformers
     lines = ["import torch", "from torch import nn", "from transformers.modeling_outputs import CausalLMOutput", "",
              "class Layer(nn.Module):", "    def __init__(self):",
@@ -417,8 +422,9 @@ def _ordered_model(registered: list, before: list, after: list, n_layers: int, s
     lines += ["        for layer in self.layers:", "            x = layer(x, side)"]
     lines += ["        x = x + inputs_embeds"] if stream else []
     lines += [f"        x = torch.tanh(self.{name}(x))" for name in after]
-    lines += ["        return (x,)", ""] + _causal_lm(shift)
-    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift)))
+    lines += ["        return (x,)", ""] + _causal_lm(shift, smoothing, headless)
+    key = abs(hash((tuple(registered), tuple(before), tuple(after), n_layers, side, stream, shift, smoothing,
+                    headless)))
     module = _module_from_source(lines, f"ordered_{key}")
     torch.manual_seed(seed)
     return module.Model(transformers.PretrainedConfig(vocab_size=VOCAB), registered, n_layers)
@@ -615,17 +621,212 @@ def test_pp2_embeddings_used_past_the_layers_are_refused_on_every_rank(dist2):
         assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
 
 
-def test_pp2_model_whose_own_loss_is_not_the_shifted_one_is_refused_on_every_rank(dist2):
-    """A model whose own loss labels each token with its own label (TrOCR's unshifted cross-entropy) trains
-    another objective than the pipeline's shifted one: the dry run computes both on the last stage's logits and
-    every rank refuses; a model whose own loss is the shifted one trains, its loss the plain model's."""
-    errors = [error for error, _ in dist2.run(_step_error, {"shift": 0})]
-    assert all(e is not None and "own loss" in e and "shifted by one" in e for e in errors), errors
+def _loss_step(rank, world, options, labels, n_microbatches, loss, dp=1, schedule=("1f1b", 1)):
+    """Worker: one step of `schedule` (name, stages per rank) over pp=2 (x `dp` with hsdp, each dp rank feeding
+    its share of the batch) of `_ordered_model(**options)` with pipeline(loss=loss) on `labels` (None: no
+    labels); (the error this rank raised, None: it trained; the loss; this rank's gradients, whole)."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (2, dp), ("pp", "dp")) if dp > 1 else hp.init_device_mesh("cpu", (2,), ("pp",))
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options), mesh, schedule=schedule[0],
+                       stages_per_rank=schedule[1], n_microbatches=n_microbatches, loss=loss,
+                       **({"hsdp": {"threshold": 0}} if dp > 1 else {}))
+    rows = BATCH // dp
+    share = slice(hp.data_rank(mesh) * rows, (hp.data_rank(mesh) + 1) * rows)
+    try:
+        value = pipe.step(batch()[0][share], labels=None if labels is None else labels[share])
+    except ValueError as e:
+        return str(e), None, None
+    return None, float(value), {n: _full(p.grad).clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _plain_step(options, labels, loss=None):
+    """One plain step of `_ordered_model(**options)` on the global batch: its own loss given `labels`, or
+    `loss(output, batch)`; (the loss, every gradient, under every name of a tied weight)."""
+    model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, **options)
+    ids = batch()[0]
+    out = model(input_ids=ids, labels=labels) if loss is None else model(input_ids=ids)
+    value = out.loss if loss is None else loss(out, {"input_ids": ids})
+    value.backward()
+    return float(value.detach()), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)
+                                   if p.grad is not None}
+
+
+def _assert_trains_as_one_process(results, want_loss, want_grads):
+    held = {}
+    for error, value, grads in results:
+        assert error is None, error
+        assert value == pytest.approx(want_loss, abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(want_grads), sorted(set(want_grads) ^ set(held))
+
+
+def test_pp2_model_whose_own_loss_is_not_the_shifted_one_is_refused_with_loss_shifted(dist2):
+    """loss="shifted" computes the shifted token cross-entropy from the logits: a model whose own loss labels
+    each token with its own label (TrOCR's unshifted cross-entropy) would train another objective, so the dry
+    run computes both on the last stage's logits and every rank refuses, naming loss='own'; a model whose own
+    loss is the shifted one trains, its loss the plain model's."""
+    results = dist2.run(_loss_step, {"shift": 0}, batch()[1], 2, "shifted")
+    errors = [error for error, _, _ in results]
+    assert all(e is not None and "own loss" in e and "shifted by one" in e and "loss='own'" in e for e in errors)
     assert errors[0] == errors[1]
+    labels = batch()[1]
+    _assert_trains_as_one_process(dist2.run(_loss_step, {"shift": 1}, labels, 2, "shifted"),
+                                  *_plain_step({"shift": 1}, labels))
+
+
+@pytest.mark.parametrize("loss,schedule", [("auto", ("1f1b", 1)), ("own", ("1f1b", 1)), ("auto", ("zbv", 2)),
+                                           ("auto", ("interleaved_1f1b", 2))])
+def test_pp2_unshifted_own_loss_trains_as_one_process_weighted_by_label_counts(dist2, loss, schedule):
+    """TrOCR's own loss (the unshifted token cross-entropy): loss="auto" (and "own") trains on it, each
+    micro-batch's mean weighted by its count of labels other than -100, so the loss and every gradient equal one
+    device's on a batch whose micro-batches count different numbers of labels (batch()'s uneven -100s), under
+    the one-stage, interleaved and zero-bubble (split backward) schedules alike."""
+    labels = batch()[1]
+    _assert_trains_as_one_process(dist2.run(_loss_step, {"shift": 0}, labels, 4, loss, 1, schedule),
+                                  *_plain_step({"shift": 0}, labels))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.lists(st.integers(0, BATCH * SEQ - 1), max_size=12), st.booleans(),
+       st.sampled_from([0.0, 0.1]))
+def test_pp2_own_loss_exact_or_refused_on_every_rank_property(n_microbatches, masked, even, smoothing):
+    """Random label masks (`even`: the first micro-batch's mask repeated in every micro-batch, so they count
+    alike) and micro-batch counts. An own loss the dry run does not recognise as a token cross-entropy
+    (label-smoothed) is the mean of the micro-batches' means: one device's loss and gradients when every
+    micro-batch counts as many labels, else refused on both ranks alike (no rank trains); the unshifted token
+    cross-entropy (no smoothing) is weighted by the counts and trains as one device unless a micro-batch counts
+    none (its mean would be NaN: refused alike)."""
+    from tests import harness
+    labels = batch()[0].clone().reshape(-1)
+    labels[masked] = -100
+    labels = labels.reshape(BATCH, SEQ)
+    if even:
+        rows = BATCH // n_microbatches
+        labels = labels[:rows].repeat(n_microbatches, 1)
+    options = {"shift": 0, "smoothing": smoothing}
+    results = harness.pool(2).run(_loss_step, options, labels, n_microbatches, "auto")
+    counts = [int((chunk != -100).sum()) for chunk in labels.tensor_split(n_microbatches)]
+    refusal = ("counts as many labels" if smoothing and len(set(counts)) > 1 else
+               "holds no counted label" if not smoothing and 0 in counts else None)
+    if refusal:
+        errors = [error for error, _, _ in results]
+        assert all(e is not None and refusal in e for e in errors), errors
+        assert errors[0] == errors[1]
+    else:
+        _assert_trains_as_one_process(results, *_plain_step(options, labels))
+
+
+def test_pp2_label_smoothed_own_loss_is_exact_on_micro_batches_that_count_alike_else_refused(dist2):
+    """A label-smoothed own loss (not a token cross-entropy the dry run recognises) is the mean of the
+    micro-batches' means: on micro-batches that count as many labels (the same rows masked alike in each) one
+    device's loss, every gradient equal; on batch()'s unevenly masked rows refused on both ranks alike."""
+    labels = batch()[1][:2].repeat(BATCH // 2, 1)
+    options = {"shift": 0, "smoothing": 0.1}
+    _assert_trains_as_one_process(dist2.run(_loss_step, options, labels, 4, "own"), *_plain_step(options, labels))
+    errors = [error for error, _, _ in dist2.run(_loss_step, options, batch()[1], 4, "own")]
+    assert all(e is not None and "counts as many labels" in e for e in errors), errors
+    assert errors[0] == errors[1]
+
+
+def test_pp2_dp2_own_loss_weighs_every_data_rank_or_refuses_on_every_rank(dist4):
+    """pp=2 x dp=2 (hsdp), each dp rank feeding its half: the unshifted own loss is weighted by the label counts of
+    the global batch (summed over the dp ranks), so the loss and every gradient equal one device's on batch()'s
+    uneven labels; a label-smoothed own loss on them (micro-batches of the two ranks counting differently) is
+    refused on all four ranks alike."""
+    labels = batch()[1]
+    _assert_trains_as_one_process(dist4.run(_loss_step, {"shift": 0}, labels, 2, "auto", 2),
+                                  *_plain_step({"shift": 0}, labels))
+    errors = [error for error, _, _ in dist4.run(_loss_step, {"shift": 0, "smoothing": 0.1}, labels, 2, "auto", 2)]
+    assert all(e is not None and "counts as many labels" in e for e in errors), errors
+    assert len(set(errors)) == 1, errors
+
+
+def test_pp2_dp2_data_ranks_that_decide_the_loss_differently_are_refused_on_every_rank(dist4):
+    """The dry run decides the loss on each data-parallel rank's first micro-batch: one whose labels are all -100
+    cannot compare the unshifted own loss and would take the shifted one while the other rank trains on the own
+    loss; every rank refuses alike instead of summing pieces of two objectives."""
+    labels = batch()[1].clone()
+    labels[:2] = -100   # dp rank 0's first micro-batch
+    errors = [error for error, _, _ in dist4.run(_loss_step, {"shift": 0}, labels, 2, "auto", 2)]
+    assert all(e is not None and "decide the loss differently" in e for e in errors), errors
+    assert len(set(errors)) == 1, errors
+
+
+def test_pp2_headless_model_with_embeddings_tied_to_a_last_stage_module_matches_one_process(dist2):
+    """A model with no output head at its root whose embeddings' weight a module of the last stage shares (BLIP's
+    text decoder head): loss="auto" trains it on its own loss, the weight tied across the two stages as a head's
+    (each copy's gradient summed over both), so the loss and both copies' gradients equal one device's."""
+    labels = batch()[1]
+    options = {"shift": 1, "headless": True}
+    _assert_trains_as_one_process(dist2.run(_loss_step, options, labels, 2, "auto"), *_plain_step(options, labels))
+
+
+def test_pp2_headless_model_that_computes_no_loss_is_refused_on_every_rank(dist2):
+    """Without an output head, and a forward that computes no loss from the labels it takes, there is nothing to
+    train on but a given loss: every rank refuses at the first step, naming loss=callable (a model whose forward
+    takes no labels at all is refused at the call: test_errors_are_clear)."""
+    errors = [error for error, _, _ in dist2.run(_loss_step, {"headless": True}, batch()[1], 2, "auto")]
+    assert all(e is not None and "gives no loss" in e and "loss=callable" in e for e in errors), errors
+    assert errors[0] == errors[1]
+
+
+def mean_square_loss(out, micro_batch):
+    """A loss= callable: the mean square of the logits (a per-sample mean, no labels)."""
+    return out[0].float().pow(2).mean()
+
+
+def test_pp2_given_loss_without_labels_trains_as_one_process(dist2):
+    """pipeline(loss=callable) trains on the callable's mean of each micro-batch's last-stage output, with no
+    labels: the mean over the (equal) micro-batches is one device's loss on the whole batch, and every gradient
+    equals one device's."""
+    _assert_trains_as_one_process(dist2.run(_loss_step, {}, None, 4, mean_square_loss),
+                                  *_plain_step({}, None, mean_square_loss))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_one_stage_pipeline_decides_its_loss_as_the_cut_ones(smoothing):
+    """A pipeline of one stage (pp=1, "gpipe": the whole model, no dry run of cuts) decides its loss alike: the
+    unshifted own loss weighted by label counts on batch()'s uneven labels equals one device's, loss and every
+    gradient; label-smoothed, on those unevenly counted micro-batches, it is refused."""
+    import hyper_parallel as hp
+    options = {"shift": 0, "smoothing": smoothing}
+    pipe = hp.pipeline(_ordered_model(["embed", "layers"], [], [], 4, seed=0, **options),
+                       hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="gpipe", n_microbatches=4)
     ids, labels = batch()
-    want = _ordered_model(["embed", "layers"], [], [], 4, seed=0, shift=1)(input_ids=ids, labels=labels).loss
-    for error, loss in dist2.run(_step_error, {"shift": 1}):
-        assert error is None and loss == pytest.approx(float(want.detach()), abs=1e-5), error
+    if smoothing:
+        with pytest.raises(ValueError, match="counts as many labels"):
+            pipe.step(ids, labels=labels)
+        return
+    value = pipe.step(ids, labels=labels)
+    grads = {n: p.grad for n, p in pipe.named_parameters()}
+    _assert_trains_as_one_process([(None, float(value), grads)], *_plain_step(options, labels))
+
+
+def test_from_pretrained_passes_loss_to_the_pipeline():
+    """from_pretrained on a pp mesh takes pipeline's loss= too: a callable reaches the Pipeline, an unknown name is
+    refused as pipeline refuses it."""
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (1,), ("pp",))
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_model("llama").save_pretrained(folder)
+        pipe = hp.from_pretrained(folder, mesh, schedule="interleaved_1f1b", stages_per_rank=2, loss=mean_square_loss)
+        assert pipe.loss is mean_square_loss
+        with pytest.raises(ValueError, match="unknown loss 'mean'"):
+            hp.from_pretrained(folder, mesh, schedule="interleaved_1f1b", stages_per_rank=2, loss="mean")
+
+
+def test_unknown_loss_is_refused_before_anything_changes():
+    """loss= takes "auto", "shifted", "own" or a callable: anything else is refused at the call, naming them,
+    before the model is pruned."""
+    import hyper_parallel as hp
+    model = _ordered_model(["embed", "layers"], [], [], 4, seed=0, shift=0)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="unknown loss 'mean'"):
+        hp.pipeline(model, hp.init_device_mesh("cpu", (1,), ("pp",)), schedule="interleaved_1f1b",
+                    stages_per_rank=2, loss="mean")
+    assert {n for n, _ in model.named_parameters()} == set(before)
 
 
 def test_batch_packed_in_one_row_is_refused_naming_n_microbatches():
@@ -659,19 +860,37 @@ def test_pp2_module_registered_after_its_layers_matches_one_process(dist2):
         assert error is None and equal, (error, detail)
 
 
-def train_census_type_pp2(rank, world, model_type):
-    """Worker: one 1F1B step of the census's tiny `model_type` through pipeline() over pp=2 (2 micro-batches):
-    the loss and this rank's stages' gradients."""
+def train_census_type_pp2(rank, world, model_type, tp=False):
+    """Worker: one 1F1B step of the census's tiny `model_type` through pipeline() over pp=2 (2 micro-batches;
+    `tp`: x tp=2 with the model's own shard plan): the loss and this rank's stages' gradients (whole)."""
     import hyper_parallel as hp
     from hyper_parallel.tools.auto_models import build_model_type
     case = build_model_type(model_type, 0)
     inputs = dict(case.inputs)
     ids = inputs.pop("input_ids")
-    pipe = hp.pipeline(case.model.float(), hp.init_device_mesh("cpu", (2,), ("pp",)), schedule="1f1b",
-                       n_microbatches=2)
+    mesh = hp.init_device_mesh("cpu", (2, 2), ("pp", "tp")) if tp else hp.init_device_mesh("cpu", (2,), ("pp",))
+    pipe = hp.pipeline(case.model.float(), mesh, schedule="1f1b", n_microbatches=2, **({"tp": "auto"} if tp else {}))
     case.model.train()
     loss = pipe.step(ids, labels=case.labels["labels"], **inputs)
-    return float(loss), {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    return float(loss), {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _census_type_trains_as_one_process(pool, model_type, tp=False):
+    """`train_census_type_pp2` on every rank of `pool` against one plain step: the loss, and every parameter's
+    gradient on the ranks that hold it, within 1e-5."""
+    from hyper_parallel.tools.auto_models import build_model_type
+    case = build_model_type(model_type, 0)
+    model = case.model.float().train()
+    want = model(**case.inputs, **case.labels).loss
+    want.backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    held = {}
+    for loss, grads in pool.run(train_census_type_pp2, model_type, tp):
+        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            held[name] = grad
+    assert set(held) == set(plain), sorted(set(plain) ^ set(held))
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "zaya", "gemma3n_text", "hy_v4", "mistral_large4", "gemma4_text"])
@@ -683,20 +902,13 @@ def test_pp2_loop_inputs_besides_the_hidden_state_match_one_process(dist2, model
     of per-layer inputs that a later stage cannot derive (it reverses the embeddings): carried across the cut
     with the hidden state, pp=2 over gloo trains as one process (the loss, and every parameter's gradient on
     the rank that holds it, within 1e-5: the K/V's gradient flows back to the first stage's layer)."""
-    from hyper_parallel.tools.auto_models import build_model_type
-    case = build_model_type(model_type, 0)
-    model = case.model.float().train()
-    want = model(**case.inputs, **case.labels).loss
-    want.backward()
-    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    results = dist2.run(train_census_type_pp2, model_type)
-    held = {}
-    for loss, grads in results:
-        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
-            held[name] = grad
-    assert set(held) == set(plain), sorted(set(plain) ^ set(held))
+    _census_type_trains_as_one_process(dist2, model_type)
+
+
+def test_pp2_tp2_own_loss_is_computed_on_whole_tokens_and_matches_one_process(dist4):
+    """With tp the tokens are whole on every rank, so the last stage computes TrOCR's own (unshifted) loss there
+    too: pp=2 x tp=2 trains as one process (the loss, every gradient)."""
+    _census_type_trains_as_one_process(dist4, "trocr", tp=True)
 
 
 # census types given layers that leave state for later layers: Gemma 4's last 2 of 4 layers reuse the K/V
@@ -796,18 +1008,27 @@ def test_pp2_stage_follows_the_models_train_mode(dist2, model_type):
 
 
 @pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
-                                               ("trocr", "own loss"), ("hrm_text", "placeholders"),
-                                               ("xlnet", "own loss"), ("instructblip", "mixes the samples")])
+                                               ("hrm_text", "placeholders"), ("instructblip", "mixes the samples"),
+                                               ("musicgen", "labels of shape (2, 8, 4) do not match")])
 def test_pp2_census_types_that_cannot_be_cut_are_refused_on_every_rank(dist2, model_type, reason):
-    """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), TrOCR's and
-    XLNet's own losses are unshifted (XLNet's later stage runs on its sequence-first layout, placeholders
-    batch first), HRM adds its embeddings to its stacks' output (a second stream), the census's InstructBLIP
-    has one image token for 32 query features (its forward scatters one sample's features into the next's
-    tokens: a micro-batch alone gets other values): each refused with its reason on both ranks, not trained
-    wrong."""
+    """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), HRM adds its
+    embeddings to its stacks' output (a second stream), the census's InstructBLIP has one image token for 32
+    query features (its forward scatters one sample's features into the next's tokens: a micro-batch alone gets
+    other values), MusicGen's tokens are one row per codebook while its labels, mask and hidden state are one
+    per sample (labels of another shape than the tokens need loss='own', and its mask is then refused): each
+    refused with its reason on both ranks, not trained wrong."""
     results = dist2.run(pipeline_census_type, model_type)
     for equal, error, detail in results:
         assert not equal and error is not None and reason in error, (error, detail)
+
+
+@pytest.mark.parametrize("model_type", ["trocr", "xlnet", "nemotron_h_omni"])
+def test_pp2_census_types_trained_on_their_own_loss_match_one_process(dist2, model_type):
+    """TrOCR's and XLNet's own losses are unshifted token cross-entropies (XLNet's later stages also get its
+    token_type_ids, its segment matrix's input); Nemotron-H-Omni has no output head at its root: loss="auto"
+    trains each on its own loss over pp=2 as one process (the loss and every stage's gradient)."""
+    for equal, error, detail in dist2.run(pipeline_census_type, model_type):
+        assert error is None and equal, (error, detail)
 
 
 def test_learned_positions_of_floating_tokens_run_on_a_later_stage():

@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from ..dispatch.registry import MissingOpRecord, record_missing_ops
-from .census import GRAD_TOLERANCE, TOLERANCE, RunReport, _max_diff, _run_one, _train_step, full, replicated
+from .census import (GRAD_TOLERANCE, TOLERANCE, RunReport, _max_diff, _run_one, _train_step, full, output_loss,
+                     replicated)
 from ..parallel.pipeline.tie import ALIASES as TIED_NAMES
 from .models import ModelCase
 
@@ -188,8 +189,12 @@ def pipeline_run(name: str, build: Callable[[], ModelCase], mesh, record: bool =
                              f"one label per token, as a decoder-only language model is fed: use dp/tp for this "
                              f"model")
         ids, labels = inputs.pop("input_ids"), case.labels.get("labels")
+        # the plain step's loss: the model's own given labels (loss="auto"), else its outputs' mean squares, which a
+        # user trains on as the pipeline's loss= callable (a mean over the equal micro-batches' samples)
+        loss_fn = "auto" if labels is not None else (lambda out, micro_batch: output_loss(out))
         with (record_missing_ops() if record else contextlib.nullcontext(MissingOpRecord())) as rec:
-            pipe = hp.pipeline(case.model, mesh, "pp", schedule="1f1b", n_microbatches=PIPELINE_MICROBATCHES)
+            pipe = hp.pipeline(case.model, mesh, "pp", schedule="1f1b", n_microbatches=PIPELINE_MICROBATCHES,
+                               loss=loss_fn)
             case.model.train()
             loss = pipe.step(ids, labels=labels, **inputs)
         # a stage's copy of a weight tied across stages (the head's) compares with the plain model's one weight

@@ -13,14 +13,17 @@ module; each stage is parallelised over the mesh's other axes with `parallelize`
 objects run the stages over the pp axis's process group, driven by the chosen torch schedule. The ranks
 of one pp group feed the same micro-batch, each data-parallel ("dp", "ep") rank its own share; the
 first stage splits it as the stage's parallelisms say, and what crosses a stage boundary is each rank's
-local piece of the hidden state. The loss function sums token cross-entropies and divides by the count
-of valid tokens of the global batch, so the loss and the gradients equal one device's
-`model(input_ids, labels=labels).loss` on the whole batch, whatever the micro-batching or the padding.
+local piece of the hidden state. The last stage trains on the model's own loss (`loss="auto"`: the shifted
+token cross-entropy computed from the logits where that is it, else `output.loss` itself) or a given one,
+each micro-batch's weighted by its share of the global batch's counted labels (`LossRule`), so the loss and
+the gradients equal one device's `model(input_ids, labels=labels).loss` on the whole batch, whatever the
+micro-batching or the padding; what cannot be weighted exactly is refused on every rank.
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Union
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,7 @@ from ...redistribute import check as _check
 from .. import feed
 from ..dims import CP, DP, EP, TP, ParallelDims
 from ..shard import init_parameters
-from ..surgery import export, record_applied
+from ..surgery import embeddings, export, record_applied
 from . import cut, tie
 from .state import stage_owner_meshes, whole_state_dict
 
@@ -51,6 +54,24 @@ SCHEDULES: dict[str, tuple[str, str]] = {
 _SINGLE_STAGE = {"gpipe", "1f1b"}
 IGNORE_INDEX = -100
 STAGE_ARGUMENTS = ("tp", "ep", "cp", "hsdp")
+LOSSES = ("auto", "shifted", "own")
+LossArgument = Union[str, Callable[[Any, dict], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LossRule:
+    """What the last stage trains on and how the micro-batches' losses make the global batch's (decided by the
+    probe once per input shape, the same on every rank): each micro-batch's loss is weighted by its share of
+    the global batch's `count`, so the sum is one device's loss on the whole batch.
+
+    kind: "shifted" (the token cross-entropy against the labels shifted by one, from the last stage's logits),
+    "own" (the model's `output.loss`, its forward handed labels=) or "given" (the `loss=` callable).
+    count: "shifted" (labels shifted by one other than -100: a token mean of that rule), "tokens" (labels other
+    than -100, unshifted: TrOCR's, XLNet's), "micro" (one per micro-batch: a mean of the micro-batches' means,
+    exact for a per-sample mean on equal micro-batches, and for the model's own loss only where every
+    micro-batch counts as many labels: `Pipeline._check_label_counts`)."""
+    kind: str = "shifted"
+    count: str = "shifted"
 
 
 def stage_rank(stage: int, pp: int, style: str) -> int:
@@ -61,7 +82,7 @@ def stage_rank(stage: int, pp: int, style: str) -> int:
 
 
 def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: str = "1f1b",
-             n_microbatches: int = 4, stages_per_rank: int = 1, split_points=None,
+             n_microbatches: int = 4, stages_per_rank: int = 1, split_points=None, loss: LossArgument = "auto",
              **parallelize_kwargs: Any) -> "Pipeline":
     """Cut `model` into pipeline stages over `mesh`'s `axis` and return the `Pipeline` that trains it.
 
@@ -73,19 +94,37 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: 
     other axes ("tp", "ep", "cp", "dp"). The model is pruned in place: afterwards it holds only this rank's
     stages. A model on the meta device gets memory for this rank's stages only (random values, as
     `init_parameters` gives; `from_pretrained` loads them instead).
+
+    loss: what `Pipeline.step` trains on, always one device's loss on the whole batch whatever the micro-batching
+    (`LossRule`), else refused on every rank before any stage runs:
+    - "shifted": the token cross-entropy against the labels shifted by one (transformers' causal-LM loss),
+      computed from the last stage's logits and divided by the global batch's count of valid tokens; refused
+      where the model's own loss is another one;
+    - "own": the model's own `output.loss`, its last stage's forward handed the micro-batch's labels; its
+      micro-batches weighted by their label counts where it is a token cross-entropy (shifted or not), else
+      averaged, which needs every micro-batch to count as many labels (other than -100, or the pad token);
+    - "auto" (default): "shifted" where that is the model's own loss (or it computes none), else "own";
+    - a callable `loss(outputs, micro_batch) -> scalar tensor`: the mean loss of one micro-batch, from the last
+      stage's model output (its forward run without labels=) and the micro-batch's inputs as this rank feeds
+      them (input_ids, the other inputs, "labels" when given); the global loss is the mean of the micro-batches'
+      (over every data-parallel rank), one device's for a loss that averages per-sample terms (the micro-batches
+      are equal: the batch must divide into them). Labels are optional then.
     """
     return build_pipeline(model, mesh, axis, schedule=schedule, n_microbatches=n_microbatches,
-                          stages_per_rank=stages_per_rank, split_points=split_points,
+                          stages_per_rank=stages_per_rank, split_points=split_points, loss=loss,
                           initialize=True, **parallelize_kwargs)
 
 
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, schedule: str = "1f1b",
                    n_microbatches: int = 4, stages_per_rank: int = 1, split_points=None, initialize: bool = True,
-                   **parallelize_kwargs: Any) -> "Pipeline":
+                   loss: LossArgument = "auto", **parallelize_kwargs: Any) -> "Pipeline":
     """`pipeline`'s body; `initialize=False` leaves a meta model's stages on the meta device, laid out (for
     `from_pretrained`, which allocates each rank's pieces and reads them from the folder)."""
     dims = ParallelDims.of(mesh, "pipeline", allow_other_axes=True)
-    structure = cut.find_structure(model)
+    _check_loss(loss, dims)
+    # a model without a head trains on its own loss only where its forward takes labels (else on a given loss)
+    structure = cut.find_structure(model, need_head=loss == "shifted" or not callable(loss)
+                                   and not cut.forward_names(model, "labels"))
     pp = mesh.size(axis)
     _check_arguments(model, schedule, n_microbatches, stages_per_rank, pp)
     cut.check_model(model, structure, pp * stages_per_rank)
@@ -108,7 +147,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, sche
     key_owner = _key_owners(whole_meta, specs, owner, structure)
 
     attributes = cut.layer_attributes(model, structure)
-    tied = tie.tied_names(model)
+    has_head = isinstance(embeddings(model, "output"), nn.Module)   # before pruning, which may remove what it reads
+    tied = tie.tied_names(model, structure.last)
     cut.prune(model, structure, {i for spec in mine for i in spec.layers},
               any(s.first for s in mine), any(s.last for s in mine))
     if initialize and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
@@ -123,7 +163,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, axis: str = "pp", *, sche
         tied.check_layouts(model, mesh)
 
     pipe = Pipeline(model, views, mine, mesh, axis, schedule, n_microbatches, structure, key_owner, whole_meta,
-                    carry, owner[0], tied)
+                    carry, owner[0], tied, loss, has_head)
     layout = ", ".join(f"stage {s.index}: layers {s.layers.start}-{s.layers.stop - 1} on {axis}={owner[s.index]}"
                        for s in specs)
     record_applied(model, f"pp: {n_stages} stages over {axis!r} ({schedule}, {n_microbatches} micro-batches; "
@@ -143,6 +183,18 @@ def _check_arguments(model: nn.Module, schedule: str, n_microbatches: int, stage
                          f"(or 'interleaved_zb', 'zbv') for stages_per_rank={stages_per_rank}")
     if schedule == "zbv" and stages_per_rank != 2:
         raise ValueError("pipeline: schedule 'zbv' runs exactly two stages per rank (a V): stages_per_rank=2")
+
+
+def _check_loss(loss: LossArgument, dims: ParallelDims) -> None:
+    """The `loss=` argument, checked before anything changes (every rank alike). The model's own loss and a given
+    one are a micro-batch's whole loss: with the sequence split over "cp" each rank holds a chunk of it."""
+    if not callable(loss) and loss not in LOSSES:
+        raise ValueError(f"pipeline: unknown loss {loss!r}; use one of {', '.join(map(repr, LOSSES))} or a callable "
+                         f"loss(outputs, micro_batch) -> tensor")
+    if loss not in ("auto", "shifted") and dims.size(CP) > 1:
+        raise NotImplementedError(f"pipeline: loss={'a callable' if callable(loss) else repr(loss)} with context "
+                                  f"parallelism ('cp' axis): each cp rank holds a chunk of the sequence, not the "
+                                  f"micro-batch the loss is computed on; use loss='shifted' with 'cp'")
 
 
 def _check_stage_context(model: nn.Module, stage_dims: ParallelDims | None) -> None:
@@ -222,7 +274,8 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, views: list, specs: list, mesh: DeviceMesh, axis: str, schedule: str,
                  n_microbatches: int, structure: cut.Structure, key_owner: dict, whole_meta: dict,
-                 carry: dict | None = None, first_owner: int = 0, tied: tie.Tie | None = None):
+                 carry: dict | None = None, first_owner: int = 0, tied: tie.Tie | None = None,
+                 loss: LossArgument = "auto", has_head: bool = True):
         self.model = model                  # pruned: holds this rank's stages, under the original names
         self.stages = views                 # one module per local stage (cut.stage_view)
         self.specs = specs
@@ -251,11 +304,14 @@ class Pipeline:
         n_stages = specs[0].n_stages
         self.last_owner = stage_rank(n_stages - 1, self.pp, SCHEDULES[schedule][1])
         self._schedules: dict = {}
-        self._carry_specs: dict = {}   # input shapes -> cut.CarrySpec
+        self._carry_specs: dict = {}   # (input shapes, labels shape, train) -> (cut.CarrySpec, LossRule)
         self._key_owner = key_owner          # state_dict key -> pp coordinate holding it
         self._whole_meta = whole_meta        # state_dict key -> (shape, dtype) of the whole model
         self._owner_meshes = stage_owner_meshes(mesh, mesh.axis_index(axis))
-        self._valid_tokens = 1
+        self.loss = loss                     # the `loss=` argument (pipeline)
+        self._has_head = has_head            # the model has an output head (logits for loss="shifted")
+        self._rule = LossRule()              # this step's
+        self._valid_tokens = 1               # the global batch's count of the rule's counted labels
         self._loss_scale = 1.0
         # hp.plan's stand-ins for the other stages' ranks when this rank is played on meta tensors over a fake
         # process group, which moves nothing (tools/plan.py, PipelinePeers): what the probe's broadcasts would
@@ -305,23 +361,42 @@ class Pipeline:
 
         Each rank passes its own micro-batch (API §12): the ranks of one pp, "tp" or "cp" group the same
         one, each data-parallel rank its share. Gradients accumulate into the parameters' `.grad` (call the
-        optimizer's zero_grad between steps, as usual).
+        optimizer's zero_grad between steps, as usual). `labels` may be omitted with a `loss=` callable; with
+        loss="own" or a callable they may have another shape than input_ids (MusicGen's codebooks), rows that
+        divide into the micro-batches as the inputs' do.
         """
         inputs = _positions_per_row(input_ids, inputs)
-        self._check_feed("Pipeline.step", input_ids, labels, inputs, need_labels=True)
+        self._check_feed("Pipeline.step", input_ids, labels, inputs, need_labels=not callable(self.loss))
         inputs = cut.with_batch_positions(self.model, input_ids, inputs, self.n_microbatches)
-        shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        valid = (shift != IGNORE_INDEX).sum().to(torch.float32).reshape(1).to(self.device)
-        for group in self._data_groups:   # the valid tokens of the global batch
-            collectives.all_reduce_(valid, group)
-        self._valid_tokens = 1.0 if valid.is_meta else max(float(valid), 1.0)   # meta (hp.plan): no values
-        self._loss_scale = float(self.dp)
         schedule = self._prepare(input_ids, inputs, train=True, labels=labels)
+        rule = self._rule
+        kwargs = dict(input_ids=input_ids, **inputs)
+        if rule.kind == "shifted":
+            target = labels
+            counted = (_shifted(labels) != IGNORE_INDEX).sum().to(torch.float32).reshape(1).to(self.device)
+        else:
+            target = _row_counts(labels, rule.count, self.n_microbatches).to(self.device)
+            counted = target.sum().reshape(1)
+            if labels is not None:
+                kwargs[cut.LABELS] = labels
+        for group in self._data_groups:   # the counted labels of the global batch
+            collectives.all_reduce_(counted, group)
+        self._valid_tokens = 1.0 if counted.is_meta else max(float(counted), 1.0)   # meta (hp.plan): no values
+        self._loss_scale = float(self.dp)
+        if rule.kind == "own":
+            self._check_label_counts(rule, labels, target)
         losses: list = []
         args = (input_ids,) if self._has_first() else ()
         held = self._tied.hold_gradient(self.model) if self._tied is not None else None
-        self._run(schedule, args, dict(input_ids=input_ids, **inputs), target=labels, losses=losses,
-                  return_outputs=False)
+        last = [view.__dict__["_hp_stage"] for view, spec in zip(self.stages, self.specs) if spec.last]
+        for state in last:   # the last stage returns the micro-batch's loss (cut.stage_forward)
+            state.loss = None if rule.kind == "shifted" else _own_loss if rule.kind == "own" else self.loss
+            state.loss_takes_labels = rule.kind == "own"
+        try:
+            self._run(schedule, args, kwargs, target=target, losses=losses, return_outputs=False)
+        finally:
+            for state in last:
+                state.loss, state.loss_takes_labels = None, False
         if self._tied is not None:
             self._tied.sum_gradients(self.model, held)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -367,10 +442,19 @@ class Pipeline:
             return f"{call}: input_ids must be a (batch, sequence) tensor, got {getattr(input_ids, 'shape', input_ids)}"
         batch = input_ids.shape[0]
         if need_labels and labels is None:
-            return f"{call} needs labels= (the loss is computed on the last stage)"
-        if labels is not None and (not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(input_ids.shape)):
-            return (f"{call}: labels of shape {tuple(getattr(labels, 'shape', ()))} do not match input_ids "
-                    f"{tuple(input_ids.shape)}; give one label per token (-100 where no loss is wanted)")
+            return (f"{call} needs labels= (the loss is computed on the last stage; pipeline(loss=callable) trains "
+                    f"on a loss of the model's outputs, with or without labels)")
+        shape = tuple(getattr(labels, "shape", ()))
+        if labels is not None and (not isinstance(labels, torch.Tensor) or shape != tuple(input_ids.shape)):
+            # labels of another shape (MusicGen's per codebook) only for a loss that reads them itself: by default
+            # they are one per token, and another shape is the feed's mistake
+            if self.loss in ("auto", "shifted") or not isinstance(labels, torch.Tensor) or labels.ndim == 0:
+                return (f"{call}: labels of shape {shape} do not match input_ids {tuple(input_ids.shape)}; give one "
+                        f"label per token (-100 where no loss is wanted), or pipeline(loss='own') to train on the "
+                        f"model's own loss of its labels")
+            if shape[0] % self.n_microbatches:
+                return (f"{call}: labels of shape {shape} have rows that do not divide into n_microbatches="
+                        f"{self.n_microbatches} equal parts")
         problem = feed.token_inputs_problem(call, inputs, batch, input_ids.shape[1], ("attention_mask", "position_ids"))
         if problem:   # a stage would fail on its own while the others wait for its activations
             return problem
@@ -418,10 +502,16 @@ class Pipeline:
             collectives.broadcast(t, dist.get_global_rank(self.group, self.last_owner), self.group)
         return t
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy over the global count of valid tokens (transformers' shift). With "cp"
-        the logits are this rank's chunk of the sequence (plain order), so the labels are cut the same way."""
-        shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's part of the global loss (`LossRule`). "shifted": `output` the logits, `target` the
+        labels: summed token cross-entropy over the global count of valid tokens (transformers' shift); with
+        "cp" the logits are this rank's chunk of the sequence (plain order), so the labels are cut the same way.
+        Else `output` is the micro-batch's mean loss, `target` its rows' counts: weighted by their share of the
+        global count."""
+        if self._rule.kind != "shifted":
+            return output.float().reshape(()) * (target.sum() * (self._loss_scale / self._valid_tokens))
+        logits, labels = output, target
+        shift = _shifted(labels)
         if self.cp > 1:
             shift = shift.chunk(self.cp, dim=1)[self.cp_rank]
         total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1),
@@ -431,21 +521,94 @@ class Pipeline:
     def _prepare(self, input_ids: torch.Tensor, inputs: dict, train: bool, labels: torch.Tensor | None = None):
         """The schedule for these inputs' shapes, and what the first stage carries besides the hidden state
         (cut.CarrySpec): found once per input shape by running the first stage on the first micro-batch
-        (no gradients) and sent to the other stages, which receive its pieces positionally."""
+        (no gradients) and sent to the other stages, which receive its pieces positionally; in training, the
+        `LossRule` of this step (`self._rule`), found by the same dry run on the last stage."""
         shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
+        key = (shapes, tuple(getattr(labels, "shape", ())), train)
+        if key not in self._carry_specs:
+            if self.pp > 1 or len(self.stages) > 1:   # the dry run's checks of the cuts
+                self._carry_specs[key] = self._probe(input_ids, inputs, labels, train)
+            else:   # one stage, the whole model: only the loss to decide
+                self._carry_specs[key] = (None, self._single_stage_rule(input_ids, inputs, labels) if train else None)
+            spec, rule = self._carry_specs[key]
+            if train:   # hp.plan's stand-ins of the last stage send no rule: the default one
+                self._carry_specs[key] = spec, rule or LossRule()
+                self._agree(self._carry_specs[key][1])
+        spec, rule = self._carry_specs[key]
+        self._rule = rule or LossRule()
         if self.pp > 1:
-            if shapes not in self._carry_specs:
-                self._carry_specs[shapes] = self._probe(input_ids, inputs, labels)
-            self._carry["spec"] = self._carry_specs[shapes]
+            self._carry["spec"] = spec
         else:
-            if len(self.stages) > 1 and shapes not in self._carry_specs:   # the dry run's checks of the cuts
-                self._carry_specs[shapes] = self._probe(input_ids, inputs, labels)
             self._carry.pop("spec", None)   # every stage here: the first stage's forward sets it
         return self._schedule(shapes, train)
 
-    def _probe(self, input_ids: torch.Tensor, inputs: dict, labels: torch.Tensor | None = None):
-        """The first stage's CarrySpec on every pp rank, from a dry run of every stage in order on the first
-        micro-batch (no gradients), each stage's output broadcast over the pp group to the next.
+    def _single_stage_rule(self, input_ids: torch.Tensor, inputs: dict, labels: torch.Tensor | None) -> LossRule:
+        """The loss rule of a pipeline of one stage (the whole model, on one pp rank), raising its refusal."""
+        micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
+        view = self.stages[0]
+        rule, problem = self._loss_rule(view, view.__dict__["_hp_stage"], (micro["input_ids"],), micro,
+                                        _first_micro(labels, self.n_microbatches), type(self.model).__name__)
+        if problem:
+            raise ValueError(f"pipeline: stage 0 refused this micro-batch: {problem}")
+        return rule
+
+    def _agree(self, rule: LossRule) -> None:
+        """The data-parallel ranks' probes each decide the loss rule on their own micro-batch: refused on every rank
+        unless they decided alike (the loss's weights would differ between the ranks' pieces)."""
+        if not self._data_groups:
+            return
+        kinds = [(k, c) for k in ("shifted", "own", "given") for c in ("shifted", "tokens", "micro")]
+        votes = torch.zeros(len(kinds), device=self.device)
+        votes[kinds.index((rule.kind, rule.count))] = 1
+        for group in self._data_groups:
+            collectives.all_reduce_(votes, group)
+        if not votes.is_meta and int((votes > 0).sum()) > 1:
+            seen = [kinds[i] for i in range(len(kinds)) if votes[i] > 0]
+            raise ValueError(f"pipeline: the data-parallel ranks' first micro-batches decide the loss differently "
+                             f"(kind, count): {seen} (a rank whose first micro-batch holds no counted label cannot "
+                             f"compare the model's own loss); feed every rank's first micro-batch labels, or pass "
+                             f"loss='own' or 'shifted'")
+
+    def _check_label_counts(self, rule: LossRule, labels: torch.Tensor, counts: torch.Tensor) -> None:
+        """The model's own loss is each micro-batch's mean: weighted by their label counts (rule.count "shifted",
+        "tokens") every micro-batch must count one (its mean is NaN otherwise); averaged ("micro", a loss that
+        is not a token cross-entropy the probe recognised), every micro-batch on every data-parallel rank must
+        count as many labels, under each rule a model's loss may count by: labels other than -100, and other
+        than -100 and the pad token (MusicGen's), per channel (codebook). Decided from every rank's labels
+        (one max all-reduce over the data-parallel ranks), so every rank raises or none."""
+        n = self.n_microbatches
+        name = type(self.model).__name__
+        if rule.count != "micro":
+            flag = torch.stack([c.sum() == 0 for c in counts.tensor_split(n)]).any().float().reshape(1)
+            for group in self._data_groups:
+                collectives.all_reduce_(flag, group, op="max")
+            if not flag.is_meta and float(flag) > 0:
+                raise ValueError(f"pipeline: a micro-batch holds no counted label (the labels {rule.count} other "
+                                 f"than -100), on which {name}'s own loss is NaN; order the batch so every "
+                                 f"micro-batch holds labels, or use fewer micro-batches")
+            return
+        pad = getattr(self.model.config, "pad_token_id", None)
+        per_micro = torch.stack([_label_counts(chunk, pad) for chunk in labels.tensor_split(n)]).float()
+        first = per_micro[0]
+        local = torch.cat([first, -first, (per_micro != first).any().float().reshape(1)]).to(self.device)
+        for group in self._data_groups:
+            collectives.all_reduce_(local, group, op="max")
+        if local.is_meta:
+            return
+        high, low = local[:first.numel()], -local[first.numel():-1]
+        if float(local[-1]) > 0 or not torch.equal(high, low):
+            raise ValueError(f"pipeline: {name}'s own loss is not a token cross-entropy the pipeline can weigh by its "
+                             f"label counts, so the micro-batches' losses are averaged, which is one device's loss "
+                             f"only when every micro-batch (on every data-parallel rank) counts as many labels; "
+                             f"these count from {low.long().tolist()} to {high.long().tolist()} (labels other than "
+                             f"-100, then other than -100 and the pad token, per channel): order the batch so they "
+                             f"count alike, use n_microbatches=1, or pass loss=callable")
+
+    def _probe(self, input_ids: torch.Tensor, inputs: dict, labels: torch.Tensor | None = None,
+               train: bool = False) -> tuple:
+        """(the first stage's CarrySpec, the LossRule in training) on every pp rank, from a dry run of every stage
+        in order on the first micro-batch (no gradients), each stage's output broadcast over the pp group to the
+        next.
 
         Why every stage and not the first only: a stage that fails inside torch's schedule (a layer stand-in
         its model's loop cannot take, a carried input it cannot use) fails on its own rank while the others
@@ -459,15 +622,15 @@ class Pipeline:
         hand each other reaches them (its output included: a second stream past the layers, HRM's).
         The first stage runs the first two micro-batches together and each alone: a forward that mixes a
         batch's samples gives them other values alone, and is refused (`_coupling_problem`).
-        With `labels`, the last stage also computes the model's own loss on the micro-batch, which must be the
-        pipeline's shifted token cross-entropy (`_own_loss_problem`).
+        In training the last stage also decides what it trains on (`_loss_rule`: the model's own loss compared
+        with the token cross-entropies on the micro-batch, a given loss function tried).
         Once per input shape; pieces are this rank's local pieces, as the schedule sends them."""
         micro = {k: v.tensor_split(self.n_microbatches)[0] for k, v in dict(input_ids=input_ids, **inputs).items()}
         views = {s.index: view for view, s in zip(self.stages, self.specs)}
         n_stages = self.specs[0].n_stages
         style = SCHEDULES[self.schedule_name][1]
         self._carry.pop("spec", None)
-        spec, received, exits = None, (micro["input_ids"],), None
+        spec, received, exits, rule = None, (micro["input_ids"],), None, None
         for index in range(n_stages):
             owner = stage_rank(index, self.pp, style)
             result = None
@@ -486,12 +649,12 @@ class Pipeline:
                         _, scrambled = self._dry_run(views[index], state, received, micro, scramble=True)
                         problem = cut.placeholder_problem(prints, scrambled, type(self.model).__name__, index)
                         state.exit_inputs = exit_inputs
-                    if problem is None and index == n_stages - 1 and labels is not None and self.cp == 1:
-                        problem = self._own_loss_problem(views[index], state, received, micro,
-                                                         labels.tensor_split(self.n_microbatches)[0],
-                                                         type(self.model).__name__)
+                    if problem is None and index == n_stages - 1 and train:
+                        rule, problem = self._loss_rule(views[index], state, received, micro,
+                                                        _first_micro(labels, self.n_microbatches),
+                                                        type(self.model).__name__)
                     result = ("error", problem, index) if problem else \
-                        ("ok", spec, None if index == n_stages - 1 else tuple(out), state.exit_inputs)
+                        ("ok", spec, None if index == n_stages - 1 else tuple(out), state.exit_inputs, rule)
                 except Exception as e:   # every kind: the other ranks must hear of it, not wait
                     result = ("error", _stage_failure(type(self.model).__name__, index, e), index)
                 finally:
@@ -503,8 +666,9 @@ class Pipeline:
                                  f"{result[1]}")
             spec, received = result[1], result[2]
             exits = result[3] if len(result) > 3 else None   # hp.plan's stand-ins send none
+            rule = result[4] if len(result) > 4 else rule
             self._carry["spec"] = spec
-        return spec
+        return spec, rule
 
     def _coupling_problem(self, view: nn.Module, state, input_ids: torch.Tensor,
                           inputs: dict) -> str | None:
@@ -578,32 +742,63 @@ class Pipeline:
             state.prints, state.scramble = None, None
         return out, prints
 
-    def _own_loss_problem(self, view: nn.Module, state: cut.StageState, received: tuple, micro: dict,
-                          labels: torch.Tensor, model_name: str) -> str | None:
-        """Why the model's own loss (its forward given labels=, on the last stage) is not the pipeline's loss, the
-        token cross-entropy against the labels shifted by one (transformers' causal-LM loss), or None: equal on the
-        probe's micro-batch, or not comparable (no loss, no valid label, a forward that takes no labels there).
+    def _loss_rule(self, view: nn.Module, state: cut.StageState, received: tuple, micro: dict,
+                   labels: torch.Tensor | None, model_name: str) -> tuple[LossRule | None, str | None]:
+        """(what the last stage trains on, why it cannot: None), decided on the probe's micro-batch (`LossRule`).
 
-        Why: the pipeline computes the loss on the last stage's logits itself; a model whose own loss differs
-        (TrOCR's unshifted cross-entropy, label smoothing, an auxiliary term) would train on another objective
-        than one device does, with no error. Both losses come from the same forward's logits."""
-        state.own_loss = None
+        Why the model's own loss is computed and compared: the pipeline's own "shifted" loss is computed from the
+        logits; a model whose loss differs (TrOCR's unshifted cross-entropy, label smoothing, codebooks) would
+        train another objective than one device does, with no error. loss="auto" trains such a model on its
+        own loss; loss="shifted" refuses it. A token cross-entropy (shifted or not) is recognised by comparing it
+        with the model's on the same forward's logits, and its micro-batches are weighted by their label counts;
+        any other own loss is averaged over the micro-batches (`_check_label_counts`)."""
+        given = self.loss
+        if self.cp > 1:   # the shifted loss on each rank's chunk (an own or given one is refused at the call)
+            return LossRule(), None
+        if callable(given):
+            state.loss, state.loss_takes_labels = given, False
+            extra = {} if labels is None else {cut.LABELS: labels}
+            try:
+                out, _ = self._dry_run(view, state, received, {**micro, **extra}, scramble=False)
+            finally:
+                state.loss = None
+            if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
+                return None, (f"pipeline: the loss= callable returned {type(out).__name__} "
+                              f"{tuple(getattr(out, 'shape', ()))} for {model_name}'s micro-batch; it must return "
+                              f"the micro-batch's mean loss, a floating tensor of one element")
+            return LossRule("given", "micro"), None
+        state.own_loss, error = None, None
         try:
-            logits, _ = self._dry_run(view, state, received, {**micro, cut.OWN_LOSS_LABELS: labels}, scramble=False)
-        except Exception:   # a forward that cannot take labels on this stage: nothing to compare
-            return None
+            logits, _ = self._dry_run(view, state, received, {**micro, cut.LABELS: labels}, scramble=False)
+        except Exception as e:   # a forward that cannot take labels on this stage: no own loss
+            logits, error = None, e
         own, state.own_loss = state.own_loss, None
-        shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        if not isinstance(own, torch.Tensor) or own.numel() != 1 or own.is_meta or not (shift != IGNORE_INDEX).any():
-            return None
-        mine = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1), ignore_index=IGNORE_INDEX)
-        if abs(float(own) - float(mine)) <= 1e-5 * max(1.0, abs(float(mine))):
-            return None
-        return (f"pipeline: {model_name}'s own loss ({float(own):.6g} on the first micro-batch) is not the token "
-                f"cross-entropy against the labels shifted by one ({float(mine):.6g}) that the pipeline computes on "
-                f"the last stage's logits (transformers' causal-LM loss): it labels tokens otherwise (unshifted labels, "
-                f"label smoothing, an auxiliary term), so the pipeline would train another objective; use dp/tp for "
-                f"this model")
+        has_own = isinstance(own, torch.Tensor) and own.numel() == 1 and own.is_floating_point()
+        token_labels = self._has_head and tuple(labels.shape) == tuple(micro["input_ids"].shape)
+        matches = {}   # count rule -> whether the own loss is that token cross-entropy (None: not comparable)
+        for count, target in (("shifted", _shifted(labels)), ("tokens", labels)):
+            comparable = (has_own and not own.is_meta and isinstance(logits, torch.Tensor) and logits.ndim >= 2
+                          and tuple(logits.shape[:-1]) == tuple(target.shape) and bool((target != IGNORE_INDEX).any()))
+            if comparable:
+                mine = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                       ignore_index=IGNORE_INDEX)
+                matches[count] = abs(float(own) - float(mine)) <= 1e-5 * max(1.0, abs(float(mine)))
+        if given == "shifted" or given == "auto" and token_labels and matches.get("shifted", True) is not False:
+            if matches.get("shifted", True) is False:
+                return None, (f"pipeline: {model_name}'s own loss ({float(own):.6g} on the first micro-batch) is "
+                              f"not the token cross-entropy against the labels shifted by one that loss='shifted' "
+                              f"computes on the last stage's logits (transformers' causal-LM loss): it labels tokens "
+                              f"otherwise (unshifted labels, label smoothing, an auxiliary term); use loss='own' "
+                              f"(or 'auto') to train on the model's own loss")
+            return LossRule("shifted", "shifted"), None
+        if not has_own:
+            why = f" ({type(error).__name__}: {error})" if error is not None else ""
+            return None, (f"pipeline: {model_name}'s forward on the last stage, handed labels=, gives no loss "
+                          f"(output.loss){why}, and loss={given!r} trains on it there"
+                          f"{'' if self._has_head else ' (the model has no output head for the shifted one)'}; "
+                          f"pass pipeline(loss=callable(outputs, micro_batch)), or use dp/tp for this model")
+        count = "shifted" if matches.get("shifted") else "tokens" if matches.get("tokens") else "micro"
+        return LossRule("own", count), None
 
     def _share(self, result, index: int, owner: int):
         """The probe's result for stage `index`, from its owner (a broadcast over the pp group)."""
@@ -653,6 +848,42 @@ def _placeholder_tokens(config) -> list[tuple[str, int]]:
             if isinstance(value, int) and not isinstance(value, bool):
                 out.append((name, value))
     return out
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Each token's label for the next token (transformers' causal-LM shift), -100 after the last."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _first_micro(labels: torch.Tensor | None, n_microbatches: int) -> torch.Tensor | None:
+    return None if labels is None else labels.tensor_split(n_microbatches)[0]
+
+
+def _row_counts(labels: torch.Tensor | None, count: str, n_microbatches: int) -> torch.Tensor:
+    """What each row weighs in the global loss (`LossRule.count`), the schedule's target: cut into micro-batches
+    with the inputs, each micro-batch's loss is weighted by its rows' sum. "micro": one per micro-batch."""
+    if count == "micro":
+        return torch.ones(n_microbatches)
+    target = _shifted(labels) if count == "shifted" else labels
+    return (target != IGNORE_INDEX).reshape(target.shape[0], -1).sum(1).to(torch.float32)
+
+
+def _label_counts(labels: torch.Tensor, pad: Any) -> torch.Tensor:
+    """A micro-batch's labels other than -100, then other than -100 and `pad` (an int pad token id), per channel
+    (the dims after (batch, sequence): codebooks)."""
+    flat = labels.reshape(-1, labels.shape[-1]) if labels.ndim > 2 else labels.reshape(-1, 1)
+    counted = flat != IGNORE_INDEX
+    padded = counted & (flat != pad) if isinstance(pad, int) and not isinstance(pad, bool) else counted
+    return torch.cat([counted.sum(0), padded.sum(0)])
+
+
+def _own_loss(out, micro_batch: dict) -> torch.Tensor:
+    """The model's own loss of a micro-batch (its forward was handed the labels), as the last stage returns it."""
+    loss = getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError("pipeline: the model's forward on the last stage, handed labels=, gave no loss this time "
+                         "(the probe found one on the first micro-batch); feed micro-batches of one kind")
+    return loss
 
 
 _COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "broken pipe")

@@ -153,14 +153,21 @@ def _self_references(cls: type, method: str = "forward", depth: int = 3) -> tupl
     return tuple(out)
 
 
-def find_structure(model: nn.Module) -> Structure:
-    """The decoder layers of `model` and the placement of everything else; a ValueError saying why not."""
+def find_structure(model: nn.Module, need_head: bool = True) -> Structure:
+    """The decoder layers of `model` and the placement of everything else; a ValueError saying why not.
+    `need_head`: the pipeline computes its loss from the head's logits (loss="shifted"), or the model's forward
+    takes no labels to compute its own; a model trained on its own loss or a given one needs none (what follows
+    the layer list goes to the last stage as usual)."""
     name = type(model).__name__
     head = embeddings(model, "output")
     if not isinstance(head, nn.Module):
-        raise ValueError(f"pipeline: {name} has no output head (get_output_embeddings() is None): the pipeline "
-                         f"trains a model whose last stage gives logits; use a model with a language-model head "
-                         f"(e.g. AutoModelForCausalLM / AutoModelForImageTextToText)")
+        if need_head:
+            raise ValueError(f"pipeline: {name} has no output head (get_output_embeddings() is None): loss="
+                             f"'shifted' computes the token cross-entropy from the last stage's logits, and "
+                             f"loss='own' the model's own loss where its forward takes labels=; pass "
+                             f"loss=callable(outputs, micro_batch), or use a model with a language-model head "
+                             f"(e.g. AutoModelForCausalLM / AutoModelForImageTextToText)")
+        head = None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     paths = {id(m): n for n, m in model.named_modules()}
     if not isinstance(decoder, nn.Module) or id(decoder) not in paths:
@@ -229,7 +236,7 @@ def find_structure(model: nn.Module) -> Structure:
             if param is not None and (param_name in named_before) != (param_name in named_after):
                 (first_params if param_name in named_before else last_params).append(_join(holder, param_name))
     # the head itself or a module holding it (BERT-generation's lm_head.decoder inside its lm_head)
-    if not any(any(head is m for m in _get(model, p).modules()) for p in last):
+    if head is not None and not any(any(head is m for m in _get(model, p).modules()) for p in last):
         raise ValueError(f"pipeline: {name}'s output head is not a child of the modules above its layer list "
                          f"{layers_path}; the stage cutter cannot place it on the last stage")
     containers = tuple((path, isinstance(_get(model, path), nn.ModuleDict), tuple(_get(model, path)._modules))
@@ -274,7 +281,7 @@ def check_model(model: nn.Module, structure: Structure, n_stages: int) -> None:
     if n_stages > 1:
         # the embeddings' weight tied to the head is the one weight two stages may share (pipeline/tie.py)
         embed = embeddings(model, "input")
-        tied = getattr(embed, "weight", None) if tied_names(model) else None
+        tied = getattr(embed, "weight", None) if tied_names(model, structure.last) else None
         owner: dict = {}
         parts = [(f"layer {i}", layer) for i, layer in enumerate(layer_list(model, structure))]
         parts += [(path, _get(model, path)) for path in structure.first + structure.last]
@@ -662,9 +669,13 @@ class StageState:
     layer_inject: dict | None = None   # name -> (kind, received tensor): the carried layer inputs (later stages)
     scramble: Any = None               # a torch.Generator: placeholders are random (the probe's second run)
     prints: list | None = None         # (layer, name, fingerprint) of what each own layer got (the probe)
-    own_loss: Any = None               # the model's own loss on the probe's micro-batch (last stage)
+    own_loss: Any = None               # the model's own loss, when its forward was handed labels (last stage)
     device: Any = None                 # where this forward's received hidden state lies (later stages)
     holders: list = field(default_factory=list)   # (the view's copy, the model's module) on the path to the layers
+    # what the last stage returns: None its logits; else a function (model output, micro-batch) -> the loss
+    # of the micro-batch, and whether the model's forward is handed the labels (the model's own loss)
+    loss: Any = None
+    loss_takes_labels: bool = False
 
 
 def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: dict,
@@ -943,8 +954,9 @@ _EVERY_STAGE_INPUTS = ("attention_mask", "position_ids")
 PER_LAYER_INPUTS = "per_layer_inputs"
 
 
-# the probe's labels for the last stage, to compare the model's own loss with the pipeline's
-OWN_LOSS_LABELS = "_hp_own_loss_labels"
+# the micro-batch's labels for the last stage (the schedule cuts them with the inputs): the model's own loss
+# (handed to its forward as labels=) or a given loss function's micro-batch; the probe's comparison of losses
+LABELS = "_hp_labels"
 
 # the whole batch's 3-D rotary positions, batch first: the schedule cuts every input into micro-batches on dim 0
 BATCH_POSITIONS = "_hp_batch_positions"
@@ -1011,7 +1023,8 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         copy.training = original.training
     if BATCH_POSITIONS in inputs:   # this micro-batch's rows of the whole batch's positions (rows, batch, seq)
         inputs["position_ids"] = inputs.pop(BATCH_POSITIONS).movedim(0, 1)
-    own_labels = inputs.pop(OWN_LOSS_LABELS, None)
+    labels = inputs.pop(LABELS, None)
+    given = {**inputs, **({} if labels is None else {"labels": labels})}   # the micro-batch, for a loss function
     call = {"input_ids": received[0] if spec.first and received else inputs.get("input_ids")}
     call.update((k, v) for k, v in inputs.items() if k != "input_ids")
     stage_feed = feed_of(self)
@@ -1041,8 +1054,6 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
         # inputs (Kosmos-2's image_embeds for pixel_values): handed to it too, as one device's forward passes them on
         call.update((name, state.inject[name]) for name, kind in carried.entries
                     if kind == "b" and name in _parameters(state.forward))
-        if own_labels is not None and spec.last and not isinstance(ids, DTensor):
-            call["labels"] = own_labels   # the probe's check of the model's own loss (api._own_loss_problem)
         # a placeholder of the embeddings' shape (models scale their embeddings in place: CTRL; the hidden state
         # between layers may be wider: DeepSeek-V4's residual streams)
         local = received[0]
@@ -1063,6 +1074,11 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     else:
         state.capture = {} if not spec.last else None
         state.part_forms = {}
+    if (labels is not None and spec.last and not isinstance(ids, DTensor)
+            and (state.loss is None or state.loss_takes_labels)):
+        # the model's own loss (api.Pipeline._loss_rule); not on split tokens (ep/cp DTensors), whose logits the
+        # model's loss code would take as DTensors against plain labels: there the probe finds no own loss
+        call["labels"] = labels
     try:
         out = state.forward(self, **call)
         hidden = None
@@ -1082,8 +1098,10 @@ def stage_forward(self, *received: torch.Tensor, **inputs: Any):
     if state.recording and hidden is not None:
         state.exit_inputs = per_token_inputs(layer_kwargs or {}, hidden)
     if spec.last:
-        if own_labels is not None:
+        if "labels" in call:
             state.own_loss = getattr(out, "loss", None)
+        if state.loss is not None:
+            return _leave(state.loss(out, given))
         logits = getattr(out, "logits", None)
         if logits is None:
             logits = out[0] if isinstance(out, (tuple, list)) else out
@@ -1425,6 +1443,11 @@ def _required(forward) -> tuple:
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(p.name for p in params if p.default is inspect.Parameter.empty and p.kind in kinds)
+
+
+def forward_names(model: nn.Module, name: str) -> bool:
+    """Whether the model class's forward names parameter `name` itself (a **kwargs does not count)."""
+    return name in _parameters(type(model).forward)
 
 
 def accepts(forward, name: str) -> bool:

@@ -30,14 +30,23 @@ from ..surgery import embeddings
 ALIASES = "_hp_tied_names"
 
 
-def tied_names(model: nn.Module) -> tuple[str, ...] | None:
+def tied_names(model: nn.Module, last: tuple[str, ...] = ()) -> tuple[str, ...] | None:
     """Every state_dict name of the weight the input embeddings share with the output head (embedding's
-    first), or None when they share none."""
+    first), or None when they share none. A model without a head at its root (BLIP's is inside its text
+    decoder, `get_output_embeddings()` None) ties the same way where the embeddings' weight is shared only with
+    modules of the last stage (`last`: their paths, `cut.Structure.last`)."""
     embed, head = embeddings(model, "input"), embeddings(model, "output")
     weight = getattr(embed, "weight", None)
-    if weight is None or weight is not getattr(head, "weight", None):
+    if weight is None:
         return None
-    return tuple(name for name, p in model.named_parameters(remove_duplicate=False) if p is weight)
+    names = tuple(name for name, p in model.named_parameters(remove_duplicate=False) if p is weight)
+    if weight is getattr(head, "weight", None):
+        return names
+    prefixes = tuple(f"{path}." for path in last)
+    elsewhere = [n for n in names if not n.startswith(prefixes)] if prefixes else []
+    if head is None and len(names) > 1 and len(elsewhere) == 1:
+        return tuple(elsewhere) + tuple(n for n in names if n not in elsewhere)
+    return None
 
 
 @dataclass
