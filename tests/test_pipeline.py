@@ -880,12 +880,18 @@ def _census_type_trains_as_one_process(pool, model_type, tp=False):
     gradient on the ranks that hold it, within 1e-5."""
     from hyper_parallel.tools.auto_models import build_model_type
     case = build_model_type(model_type, 0)
-    model = case.model.float().train()
+    _assert_ranks_train_as(case.model.float(), case, lambda: pool.run(train_census_type_pp2, model_type, tp))
+
+
+def _assert_ranks_train_as(model, case, run_ranks):
+    """One plain step of `model` on `case`, then `run_ranks()` (per rank: its loss and its stages' gradients):
+    every rank's loss, and every gradient on the ranks that hold it, within 1e-5, and every gradient held."""
+    model.train()
     want = model(**case.inputs, **case.labels).loss
     want.backward()
     plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     held = {}
-    for loss, grads in pool.run(train_census_type_pp2, model_type, tp):
+    for loss, grads in run_ranks():
         assert loss == pytest.approx(float(want.detach()), abs=1e-5)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
@@ -963,17 +969,7 @@ def test_pp2_state_shared_across_the_cut_matches_one_process(dist2, model_type, 
     inputs, which the second stage cannot derive without the embeddings); pp=2 over gloo trains as one
     process (the loss, and every gradient, the storing layers' K/V projections' included, within 1e-5)."""
     model, case = _shared_state_model(model_type)
-    model.train()
-    want = model(**case.inputs, **case.labels).loss
-    want.backward()
-    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    held = {}
-    for loss, grads in dist2.run(train_shared_state_pp2, model_type, split):
-        assert loss == pytest.approx(float(want.detach()), abs=1e-5)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, plain[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
-            held[name] = grad
-    assert set(held) == set(plain), sorted(set(plain) ^ set(held))
+    _assert_ranks_train_as(model, case, lambda: dist2.run(train_shared_state_pp2, model_type, split))
 
 
 def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
