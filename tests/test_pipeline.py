@@ -840,12 +840,17 @@ def test_batch_packed_in_one_row_is_refused_naming_n_microbatches():
         pipe.step(ids, labels=labels, pixel_values=torch.zeros(1, 3, 4, 64))
 
 
-def pipeline_census_type(rank, world, model_type):
-    """Worker: the census's own pp comparison (census_scenarios.pipeline_run) of one transformers type."""
+def pipeline_census_type(rank, world, model_type, image_tokens_per_row=None):
+    """Worker: the census's own pp comparison (census_scenarios.pipeline_run) of one transformers type;
+    `image_tokens_per_row`: its image tokens cut to that many per row (the others made text tokens)."""
     import hyper_parallel as hp
     from hyper_parallel.tools.auto_models import build_model_type
     from hyper_parallel.tools.census_scenarios import pipeline_run
     template = build_model_type(model_type, 0)
+    if image_tokens_per_row is not None:
+        ids = template.inputs["input_ids"]
+        image = ids == template.model.config.image_token_id
+        ids[image & (image.cumsum(1) > image_tokens_per_row)] = int(ids[~image].flatten()[0])
     import copy
     report = pipeline_run(model_type, lambda: copy.deepcopy(template), hp.init_device_mesh("cpu", (2,), ("pp",)),
                           record=False)
@@ -979,11 +984,13 @@ def test_pp2_head_inside_a_last_stage_module_matches_one_process(dist2):
         assert error is None and equal, (error, detail)
 
 
-@pytest.mark.parametrize("model_type", ["blip-2", "kosmos-2", "kosmos-2.5"])
+@pytest.mark.parametrize("model_type", ["blip-2", "instructblip", "kosmos-2", "kosmos-2.5"])
 def test_pp2_first_stage_inputs_and_towers_a_later_stage_reads_match_one_process(dist2, model_type):
     """What a later stage's forward reads of the first stage's inputs and modules: BLIP-2's forward requires
     pixel_values and input_ids and runs its vision tower and Q-Former whatever it is given (the caller's inputs,
-    and stand-ins giving placeholders in the towers' output form: model outputs of the same shapes); Kosmos-2's
+    and stand-ins giving placeholders in the towers' output form: model outputs of the same shapes);
+    InstructBLIP's, given no ids there, finds its image tokens by comparing the placeholder embeddings with the
+    image token's (a stand-in's NaN: it finds none, where a placeholder would match every position); Kosmos-2's
     text model reads the caller's image_embeds_position_mask (a per-token input: handed to every stage's forward);
     Kosmos-2.5's reads its segment embeddings' weight (a stand-in's zero-stride shadow), and fed text alone it
     carries image features no later stage uses (their modules get no gradient, as on one device, not zeros).
@@ -1004,18 +1011,25 @@ def test_pp2_stage_follows_the_models_train_mode(dist2, model_type):
 
 
 @pytest.mark.parametrize("model_type,reason", [("git", "hands its layers a sequence of"),
-                                               ("hrm_text", "placeholders"), ("instructblip", "mixes the samples"),
+                                               ("hrm_text", "placeholders"),
                                                ("musicgen", "labels of shape (2, 8, 4) do not match")])
 def test_pp2_census_types_that_cannot_be_cut_are_refused_on_every_rank(dist2, model_type, reason):
     """GIT joins its image features to the tokens (a longer sequence than later stages rebuild), HRM adds its
-    embeddings to its stacks' output (a second stream), the census's InstructBLIP has one image token for 32
-    query features (its forward scatters one sample's features into the next's tokens: a micro-batch alone gets
-    other values), MusicGen's tokens are one row per codebook while its labels, mask and hidden state are one
+    embeddings to its stacks' output (a second stream), MusicGen's tokens are one row per codebook while its labels, mask and hidden state are one
     per sample (labels of another shape than the tokens need loss='own', and its mask is then refused): each
     refused with its reason on both ranks, not trained wrong."""
     results = dist2.run(pipeline_census_type, model_type)
     for equal, error, detail in results:
         assert not equal and error is not None and reason in error, (error, detail)
+
+
+def test_pp2_forward_that_mixes_a_batchs_samples_is_refused_on_every_rank(dist2):
+    """InstructBLIP fed one image token per row for its 32 query features scatters one sample's features into
+    the next's tokens, across the batch: a micro-batch alone gets other values than its rows of the whole
+    batch, which the first stage's probe sees (the pair of micro-batches run together and each alone) and
+    refuses on both ranks, not trained wrong."""
+    for equal, error, detail in dist2.run(pipeline_census_type, "instructblip", 1):
+        assert not equal and error is not None and "mixes the samples" in error, (error, detail)
 
 
 @pytest.mark.parametrize("model_type", ["trocr", "xlnet", "nemotron_h_omni"])

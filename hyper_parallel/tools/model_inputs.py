@@ -161,7 +161,10 @@ def _feature_count(model, kind: str, inputs: dict, batch: int) -> int | None:
         try:
             return _count_features(fn(**kwargs), batch)
         except Exception:  # the count then comes from the forward's own mismatch message
-            return None
+            # or from a Q-Former's query tokens, one feature each (InstructBLIP's image features need its
+            # Q-Former's prompt, made later; its forward scatters however many there are without a check)
+            queries = getattr(model.config, "num_query_tokens", None)
+            return queries if isinstance(queries, int) and kind == "image" else None
 
 
 

@@ -531,6 +531,11 @@ class _Absent(nn.Module):
             return _placeholder(state, tuple(x.shape[:2]) + tail, dtype, hidden.device)
         if x.is_floating_point() and not (x.ndim == 2 and tuple(x.shape) == tuple(hidden.shape[:2])):
             return x
+        if x.ndim == 0 and not x.is_floating_point():
+            # one token's embedding, which a forward compares with its input embeddings to find that token's
+            # positions when it is given no ids (InstructBLIP's image tokens, on a later stage): NaN, equal to no
+            # placeholder, so the stage finds none rather than every position (a placeholder equals a placeholder)
+            return torch.full((hidden.shape[-1],), float("nan"), dtype=hidden.dtype, device=hidden.device)
         return _placeholder(state, tuple(x.shape) + (hidden.shape[-1],), hidden.dtype, hidden.device)
 
 
