@@ -754,6 +754,18 @@ def test_pp2_dp2_data_ranks_that_decide_the_loss_differently_are_refused_on_ever
     assert len(set(errors)) == 1, errors
 
 
+def test_pp2_dp2_a_refusal_of_one_data_replica_is_raised_on_every_rank(dist4):
+    """loss="shifted" on a model whose own loss is unshifted: the replica whose first micro-batch holds labels
+    refuses (the dry run compares the losses), the other's holds none and has nothing to compare; the refusal
+    reaches the other replica's ranks too (which would otherwise wait in their first collective), so all four
+    raise, none trains."""
+    labels = batch()[1].clone()
+    labels[:2] = -100   # dp rank 0's first micro-batch
+    errors = [error for error, _, _ in dist4.run(_loss_step, {"shift": 0}, labels, 2, "shifted", 2)]
+    assert all(e is not None for e in errors), errors
+    assert sum("another data-parallel replica" in e for e in errors) == 2, errors
+
+
 def test_pp2_headless_model_with_embeddings_tied_to_a_last_stage_module_matches_one_process(dist2):
     """A model with no output head at its root whose embeddings' weight a module of the last stage shares (BLIP's
     text decoder head): loss="auto" trains it on its own loss, the weight tied across the two stages as a head's

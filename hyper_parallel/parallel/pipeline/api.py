@@ -526,10 +526,16 @@ class Pipeline:
         shapes = (tuple(input_ids.shape), tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
         key = (shapes, tuple(getattr(labels, "shape", ())), train)
         if key not in self._carry_specs:
-            if self.pp > 1 or len(self.stages) > 1:   # the dry run's checks of the cuts
-                self._carry_specs[key] = self._probe(input_ids, inputs, labels, train)
-            else:   # one stage, the whole model: only the loss to decide
-                self._carry_specs[key] = (None, self._single_stage_rule(input_ids, inputs, labels) if train else None)
+            try:
+                if self.pp > 1 or len(self.stages) > 1:   # the dry run's checks of the cuts
+                    found = self._probe(input_ids, inputs, labels, train)
+                else:   # one stage, the whole model: only the loss to decide
+                    found = (None, self._single_stage_rule(input_ids, inputs, labels) if train else None)
+                refusal = None
+            except Exception as e:   # every kind: the other data-parallel replicas must hear of it, not wait
+                found, refusal = None, e
+            self._agree_refusal(refusal)
+            self._carry_specs[key] = found
             spec, rule = self._carry_specs[key]
             if train:   # hp.plan's stand-ins of the last stage send no rule: the default one
                 self._carry_specs[key] = spec, rule or LossRule()
@@ -551,6 +557,24 @@ class Pipeline:
         if problem:
             raise ValueError(f"pipeline: stage 0 refused this micro-batch: {problem}")
         return rule
+
+    def _agree_refusal(self, refusal: Exception | None) -> None:
+        """Raise the probe's refusal on every rank of every data-parallel replica, or on none.
+
+        Why: the probe's result reaches every rank of one pipeline (its pp group), but each data-parallel
+        replica probes its own micro-batch, and what it refuses may depend on the values (a forward that mixes
+        the samples of one batch and not another's): a replica that raised alone would leave the others waiting
+        in their first collective. One max all-reduce of a flag over the data-parallel ranks, once per input
+        shape."""
+        if self._data_groups:
+            flag = torch.tensor([0.0 if refusal is None else 1.0], device=self.device)
+            for group in self._data_groups:
+                collectives.all_reduce_(flag, group, op="max")
+            if refusal is None and not flag.is_meta and float(flag) > 0:
+                raise ValueError("pipeline: another data-parallel replica's pipeline refused its micro-batch (its "
+                                 "ranks raise the reason); every replica stops at the same step")
+        if refusal is not None:
+            raise refusal
 
     def _agree(self, rule: LossRule) -> None:
         """The data-parallel ranks' probes each decide the loss rule on their own micro-batch: refused on every rank
