@@ -716,11 +716,9 @@ def stage_view(model: nn.Module, structure: Structure, spec: StageSpec, carry: d
         if isinstance(embed, nn.Module):
             embed.register_forward_hook(_embed_shape_hook(state))
         for path in structure.first:
-            module = _get(model, path)
             hook = _part_shape_hook if _in_decoder(path, structure.decoder) else _part_form_hook
-            for key, part in (module._modules.items() if isinstance(module, _CONTAINERS) else [("", module)]):
-                if part is not None:
-                    part.register_forward_hook(hook(state, _join(path, key) if key else path))
+            for part_path, part in _first_parts(model, [path]):
+                part.register_forward_hook(hook(state, part_path))
     if spec.layers.stop < len(layers._modules):
         layers._modules[str(spec.layers.stop)].__dict__["_hp_state"] = state
     inside = structure.decoder
@@ -1423,12 +1421,19 @@ def _leave(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def _signature_parameters(forward) -> tuple | None:
+    """`forward`'s parameters (inspect.Parameter), None where it has no signature; once per function (every
+    stage's forward call asks)."""
+    try:
+        return tuple(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def _parameters(forward) -> tuple:
     """The names of `forward`'s own parameters (not what a **kwargs takes)."""
-    try:
-        return tuple(inspect.signature(forward).parameters)
-    except (TypeError, ValueError):
-        return ()
+    return tuple(p.name for p in _signature_parameters(forward) or ())
 
 
 def _token_input(value, ids) -> bool:
@@ -1442,12 +1447,9 @@ def _token_input(value, ids) -> bool:
 
 def _required(forward) -> tuple:
     """The names of `forward`'s parameters that have no default (after `self`): a call must give them."""
-    try:
-        params = list(inspect.signature(forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return tuple(p.name for p in params if p.default is inspect.Parameter.empty and p.kind in kinds)
+    return tuple(p.name for p in (_signature_parameters(forward) or ())[1:]
+                 if p.default is inspect.Parameter.empty and p.kind in kinds)
 
 
 def forward_names(model: nn.Module, name: str) -> bool:
@@ -1457,8 +1459,5 @@ def forward_names(model: nn.Module, name: str) -> bool:
 
 def accepts(forward, name: str) -> bool:
     """Whether `forward` takes keyword `name` (or any keyword)."""
-    try:
-        params = inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return True
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    params = _signature_parameters(forward)
+    return params is None or any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
