@@ -134,3 +134,66 @@ def _border_writes_through_a_reshape(rank, world, grad_mode):
 def test_writes_through_a_local_reshape_of_a_split_tensor_reach_it(dist2):
     for grad_mode in (False, True):
         assert dist2.run(_border_writes_through_a_reshape, grad_mode) == [True, True]
+
+
+_CHAIN_VIEWS = {
+    "reshape keeping dim 0": lambda t: t.reshape(t.shape[0], -1),
+    "transpose inner": lambda t: t.transpose(-1, -2),
+    "slice inner": lambda t: t[..., 1:],
+    "unsqueeze": lambda t: t.unsqueeze(1),
+    "select inner": lambda t: t[..., 0],
+}
+_CHAIN_WRITES = {"mul_": lambda v: v.mul_(-2.0), "add_": lambda v: v.add_(1.5), "zero a slice": lambda v: v[..., :1].zero_(),
+                 "setitem": lambda v: v.__setitem__((Ellipsis, slice(0, 1)), -1.0)}
+
+
+def _chained_writes_on_two_ranks(rank, world, chains):
+    """Worker: for each chain (a view op of a batch-split non-leaf y, an in-place write into it, a view op of
+    that view, a write into that), y's values and x's gradient equal plain torch's through the C twin and the Python path, or both
+    twins refuse the write loudly."""
+    mesh = hp.Layout((2,), ("dp",))
+    full = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4) / 9
+    impls = {"c": dispatch_pkg._fastpath.torch_function, "python": dispatcher.torch_function}
+    saved = DTensor.__dict__["__torch_function__"]
+
+    def run(x, chain):
+        y = x * 1
+        m = _CHAIN_VIEWS[chain[0]](y)
+        _CHAIN_WRITES[chain[1]](m)                        # a write into the view ...
+        _CHAIN_WRITES[chain[3]](_CHAIN_VIEWS[chain[2]](m))  # ... then into a view of it
+        return y * y
+    try:
+        for chain in chains:
+            px = full.clone().requires_grad_()
+            want = run(px, chain)
+            want.sum().backward()
+            outcome = {}
+            for name, impl in impls.items():
+                DTensor.__torch_function__ = staticmethod(impl)
+                x = hp.distribute_tensor(full.clone(), mesh("dp", "None", "None")).requires_grad_()
+                try:
+                    got = run(x, chain)
+                except RuntimeError:
+                    outcome[name] = "refused"
+                    continue
+                got.sum().backward()
+                assert torch.allclose(got.full_tensor(), want.detach(), rtol=1e-6), (name, chain)
+                assert torch.allclose(x.grad.full_tensor(), px.grad, rtol=1e-6), (name, chain)
+                outcome[name] = "equal"
+            assert outcome["c"] == outcome["python"], (chain, outcome)
+    finally:
+        DTensor.__torch_function__ = saved
+    return True
+
+
+if given is not None:
+    @settings(max_examples=10, deadline=None)
+    @given(chains=st.lists(st.tuples(st.sampled_from(sorted(_CHAIN_VIEWS)), st.sampled_from(sorted(_CHAIN_WRITES)),
+                                     st.sampled_from(sorted(_CHAIN_VIEWS)), st.sampled_from(sorted(_CHAIN_WRITES))),
+                           min_size=1, max_size=4))
+    def test_random_writes_into_views_of_views_of_a_split_tensor_equal_plain(chains):
+        """Property: a random view of a batch-split tensor, a random in-place write into it, a random view of
+        that view and a write into that, with grad: the write reaches the tensor at the bottom of the chain, values and gradients as plain
+        torch's, the C twin and the Python path alike (or both refuse it loudly)."""
+        from tests import harness
+        assert harness.pool(2).run(_chained_writes_on_two_ranks, chains) == [True, True]
